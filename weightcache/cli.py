@@ -1,0 +1,49 @@
+"""The `weightcache` command: one entry point, each subcommand owned by its module.
+
+Subcommands are imported lazily so that `weightcache operator` never pays for torch and
+`weightcache preload` never imports kopf.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "preload": ("weightcache.agent.preload", "run the native weight cache daemon (one rank per device)"),
+    "attach": ("weightcache.agent.attach", "attach like a restarting engine and report one JSON line"),
+    "bench": ("weightcache.bench", "benchmarks: attach vs. disk load, operator, admission"),
+    "demo": ("weightcache.demo", "end-to-end demo on a generated checkpoint"),
+    "agent": ("weightcache.agent.main", "node agent: supervise daemon ranks, gRPC status, metrics"),
+    "operator": ("weightcache.operator.main", "the kopf operator (reconciler and admission webhooks)"),
+    "crds": ("weightcache.operator.crd", "print or write the CustomResourceDefinition YAML"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: weightcache <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from weightcache import __version__
+
+        print(__version__)
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"weightcache: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Names shared by the operator, the webhooks, the agent and the chart (docs/interfaces.md)."""
+
+from __future__ import annotations
+
+GROUP = "weightcache.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "WeightCache"
+PLURAL = "weightcaches"
+SINGULAR = "weightcache"
+SHORT_NAME = "wc"
+
+# Pod opt-in and per-pod overrides.
+ANN_CACHE = f"{GROUP}/cache"
+ANN_CONTAINER = f"{GROUP}/container"
+ANN_MODE = f"{GROUP}/mode"
+ANN_FALLBACK = f"{GROUP}/fallback"
+LABEL_INJECTED = f"{GROUP}/injected"
+
+# Agent pods.
+LABEL_APP = "app.kubernetes.io/name"
+AGENT_APP = "weightcache-agent"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_CACHE = f"{GROUP}/cache"
+LABEL_NODE_RANK = f"{GROUP}/node-rank"
+ANN_EPOCH = f"{GROUP}/epoch"
+
+DEFAULT_SOCKET_ROOT = "/var/run/weightcache"
+PLAN_KEY = "plan.json"
+DEFAULT_PLAN_PATH = "/etc/weightcache/plan.json"
+
+DEFAULT_PORTS = {
+    "rendezvous": 29600,
+    "draftRendezvous": 29601,
+    "health": 8478,
+    "metrics": 9478,
+    "grpc": 9479,
+}
+
+# Environment read by the native client library inside engine pods.
+ENV_SOCKET_DIR = "WEIGHTCACHE_SOCKET_DIR"
+ENV_MODE = "WEIGHTCACHE_MODE"
+ENV_FALLBACK = "WEIGHTCACHE_FALLBACK"
+ENV_CONNECT_TIMEOUT = "WEIGHTCACHE_CONNECT_TIMEOUT_S"
+ENV_STATE_TIMEOUT = "WEIGHTCACHE_STATE_TIMEOUT_S"
+ENV_CACHE = "WEIGHTCACHE_CACHE"
+
+# Environment of agent pods (downward API and plan path).
+ENV_CACHE_NAME = "WEIGHTCACHE_CACHE_NAME"
+ENV_NAMESPACE = "WEIGHTCACHE_NAMESPACE"
+ENV_NODE_NAME = "NODE_NAME"
+ENV_POD_IP = "POD_IP"
+ENV_POD_NAME = "POD_NAME"
+ENV_PLAN = "WEIGHTCACHE_PLAN"
+
+
+def node_ready_label(namespace: str, name: str) -> str:
+    """Node label key marking nodes where a cache is fully ready (prefix <= 253, name <= 63)."""
+    return f"{namespace}.cache.{GROUP}/{name}"
+
+
+def default_socket_dir(namespace: str, name: str) -> str:
+    return f"{DEFAULT_SOCKET_ROOT}/{namespace}/{name}"
+
+
+def agent_daemonset_name(name: str) -> str:
+    return f"{name}-agent"
+
+
+def rendezvous_service_name(name: str) -> str:
+    return f"{name}-rendezvous"
+
+
+def placement_configmap_name(name: str) -> str:
+    return f"{name}-placement"
