@@ -54,9 +54,21 @@ bench-gpu: $(STAMP)
 
 crds: $(STAMP)
 	$(BIN)/weightcache crds --write crds/
+	cp crds/*.yaml charts/weightcache/crds/
 
+# Generated into a scratch tree under the import path weightcache/agent/proto, so the
+# generated modules import each other as weightcache.agent.proto.*, then copied into agent/proto.
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -Iagent/proto=agent/proto --python_out=. --grpc_python_out=. --pyi_out=. agent/proto/agent.proto
+	rm -rf build/proto && mkdir -p build/proto
+	$(BIN)/python -m grpc_tools.protoc -Iweightcache/agent/proto=agent/proto --python_out=build/proto \
+	  --grpc_python_out=build/proto --pyi_out=build/proto agent/proto/agent.proto
+	cp build/proto/weightcache/agent/proto/agent_pb2*.py* agent/proto/
+	rm -rf build/proto
+
+# kind end-to-end suite (needs a Docker engine and kind; skips with the reason otherwise).
+.PHONY: e2e
+e2e: $(STAMP) tools
+	bash e2e/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

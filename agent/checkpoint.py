@@ -1,0 +1,223 @@
+"""Reading a safetensors checkpoint directory's headers, strictly.
+
+The daemon and the client both need the tensor table (names, dtypes, shapes, byte ranges)
+before they touch any data: the daemon to size its arena, the client to compute the
+fingerprint it sends. Headers are validated here once, so a corrupt file produces one clear
+error naming the file instead of a crash halfway through loading.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+
+# safetensors dtype tag -> (torch dtype name, itemsize). Kept free of torch so that the
+# launcher can validate a checkpoint without paying for importing it.
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+class CheckpointError(ValueError):
+    """The model directory is missing, empty, or holds an invalid safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    tag: str  # safetensors dtype tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in `file`
+    nbytes: int
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPES[self.tag][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.tag][1]
+
+    @property
+    def dtype(self) -> Any:
+        """The torch dtype (imports torch on first use)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    files: list[Path]
+    tensors: dict[str, TensorInfo]
+    headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # basename -> header
+    config: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header map, byte offset where the data section starts). Raises CheckpointError."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            raw_len = fh.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path}: corrupt safetensors header (file is {size} bytes)")
+            (hlen,) = struct.unpack("<Q", raw_len)
+            if hlen > MAX_HEADER or hlen > size - 8:
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header (declared header length {hlen},"
+                    f" file is {size} bytes)"
+                )
+            raw = fh.read(hlen)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return header, 8 + hlen
+
+
+def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    header, data_start = read_header(path)
+    data_len = os.path.getsize(path) - data_start
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if entry is not None and not isinstance(entry, dict):
+                raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__)")
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: header entry is not an object")
+        tag, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if tag not in DTYPES:
+            raise CheckpointError(f"{where}: unsupported dtype {tag!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise CheckpointError(f"{where}: bad shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise CheckpointError(
+                f"{where}: bad data_offsets {offsets!r} (data is {data_len} bytes)"
+            )
+        nbytes = math.prod(shape) * DTYPES[tag][1]
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(
+                f"{where}: data_offsets cover {offsets[1] - offsets[0]} bytes,"
+                f" shape {shape} of {tag} needs {nbytes}"
+            )
+        tensors[name] = TensorInfo(name, tag, tuple(shape), path, data_start + offsets[0], nbytes)
+    return header, tensors
+
+
+def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+    index = model_dir / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).name != name:
+                raise CheckpointError(f"{index}: file {name!r} is outside the model directory")
+            if not (model_dir / name).is_file():
+                raise CheckpointError(f"{index}: references missing file {name}")
+        return [model_dir / n for n in names], weight_map
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    return files, None
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    path = Path(model_dir)
+    if not path.exists():
+        raise CheckpointError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {path} is not a directory")
+    files, weight_map = _files(path)
+    if not files:
+        raise CheckpointError(f"model directory {path} contains no .safetensors files")
+    tensors: dict[str, TensorInfo] = {}
+    headers: dict[str, dict[str, Any]] = {}
+    for file in files:
+        header, found = _parse_file(file)
+        headers[file.name] = header
+        for name, info in found.items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"tensor {name!r} appears in both {tensors[name].file.name} and {file.name}"
+                )
+            tensors[name] = info
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in tensors or tensors[name].file.name != fname:
+                raise CheckpointError(f"{path / INDEX_NAME}: {name!r} is not in {fname}")
+    config = None
+    cfg_path = path / "config.json"
+    if cfg_path.is_file():
+        try:
+            loaded = json.loads(cfg_path.read_text())
+            config = loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+    return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config)
+
+
+def tied_aliases(ckpt: Checkpoint) -> dict[str, str]:
+    """Aliases implied by `tie_word_embeddings` (Llama-family naming): alias -> target.
+
+    The output projection shares storage with the input embedding; it is served once and
+    re-established as an alias so the engine's parameters stay one object.
+    """
+    cfg = ckpt.config or {}
+    if not cfg.get("tie_word_embeddings", False):
+        return {}
+    for target in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        if target in ckpt.tensors:
+            alias = "lm_head.weight"
+            if alias in ckpt.tensors:
+                a, t = ckpt.tensors[alias], ckpt.tensors[target]
+                if (a.tag, a.shape) != (t.tag, t.shape):
+                    return {}
+            return {alias: target}
+    return {}

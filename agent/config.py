@@ -1,0 +1,370 @@
+"""Agent start-up configuration: downward-API environment, the placement plan, local devices.
+
+The agent needs no Kubernetes API access: everything it must know arrives as environment
+variables (downward API) and as the placement ConfigMap mounted as a file. Every problem
+found here is a `ConfigError` with a message meant for a person reading pod logs, because a
+pod that cannot start must say why in its last log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightcache import constants as C
+
+# A plan.json is a few KiB; anything far larger is not a plan.
+MAX_PLAN_BYTES = 1 << 20
+RUNTIMES = ("native", "vllm")
+_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+
+
+class ConfigError(Exception):
+    """The agent cannot start with this environment or plan; the pod should restart."""
+
+
+@dataclass(frozen=True)
+class AgentEnv:
+    """Identity of this agent pod, from the downward API."""
+
+    cache: str
+    namespace: str
+    node: str
+    pod_ip: str
+    pod_name: str
+    plan_path: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEnv:
+        env = os.environ if environ is None else environ
+        required = (C.ENV_CACHE_NAME, C.ENV_NAMESPACE, C.ENV_NODE_NAME)
+        missing = [k for k in required if not env.get(k)]
+        if missing:
+            raise ConfigError(
+                f"missing downward-API environment {', '.join(missing)}; "
+                "the agent DaemonSet must set them from metadata and spec.nodeName"
+            )
+        return cls(
+            cache=env[C.ENV_CACHE_NAME],
+            namespace=env[C.ENV_NAMESPACE],
+            node=env[C.ENV_NODE_NAME],
+            pod_ip=env.get(C.ENV_POD_IP) or "0.0.0.0",
+            pod_name=env.get(C.ENV_POD_NAME, ""),
+            plan_path=env.get(C.ENV_PLAN) or C.DEFAULT_PLAN_PATH,
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The daemon group's parallel layout as the operator planned it.
+
+    `data` is the data-parallel size the daemons are launched with (filler replicas of a
+    dense model included) and `data_local` the DP ranks per node.
+    """
+
+    tensor: int
+    data: int
+    data_local: int
+    expert: bool
+    world_size: int
+    replicas_per_node: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Parsed `plan.json` (docs/interfaces.md, "Placement ConfigMap")."""
+
+    cache: str
+    namespace: str
+    uid: str
+    epoch: int
+    runtime: str
+    master_addr: str
+    node_count: int
+    gpus_per_node: int
+    nodes: dict[str, int]
+    layout: Layout
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One local device a rank is pinned to. `index` is the position the child sees."""
+
+    index: int
+    uuid: str
+    kind: str = "cuda"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the supervisor and the runtimes need, fully validated."""
+
+    env: AgentEnv
+    plan: Plan
+    node_rank: int
+    node_count: int
+    master_addr: str
+    local_world_size: int
+    devices: tuple[Device, ...]
+    socket_dir: str
+    ports: dict[str, int]
+    load_timeout_s: float = 1800.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return self.plan.spec
+
+    @property
+    def multi_node(self) -> bool:
+        return self.node_count > 1
+
+    @property
+    def device_kind(self) -> str:
+        if self.plan.runtime == "vllm":
+            return "cuda"
+        return str(self.spec.get("device") or "cuda")
+
+
+def _int(
+    obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0, default: Any = None
+) -> int:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"plan: {where}{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"plan: {where}{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _str(obj: Mapping[str, Any], key: str, where: str = "") -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"plan: {where}{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_plan(text: str | bytes) -> Plan:
+    """Validate a plan document; raise `ConfigError` naming the first bad field."""
+    if len(text) > MAX_PLAN_BYTES:
+        raise ConfigError(f"plan: {len(text)} bytes is larger than the {MAX_PLAN_BYTES} byte limit")
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"plan: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError("plan: top level must be a JSON object")
+    runtime = _str(doc, "runtime")
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"plan: runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    node_count = _int(doc, "nodeCount", "", minimum=1)
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ConfigError("plan: nodes must be a non-empty list of {node, rank}")
+    nodes: dict[str, int] = {}
+    for i, item in enumerate(raw_nodes):
+        if not isinstance(item, dict):
+            raise ConfigError(f"plan: nodes[{i}] must be an object")
+        name = _str(item, "node", f"nodes[{i}].")
+        rank = _int(item, "rank", f"nodes[{i}].")
+        if name in nodes:
+            raise ConfigError(f"plan: node {name!r} appears twice")
+        nodes[name] = rank
+    if sorted(nodes.values()) != list(range(node_count)):
+        raise ConfigError(
+            f"plan: node ranks {sorted(nodes.values())} must be exactly 0..{node_count - 1}"
+        )
+    lay = doc.get("layout")
+    if not isinstance(lay, dict):
+        raise ConfigError("plan: layout must be an object")
+    tensor = _int(lay, "tensor", "layout.", minimum=1)
+    data = _int(lay, "data", "layout.", minimum=1, default=1)
+    layout = Layout(
+        tensor=tensor,
+        data=data,
+        data_local=_int(lay, "dataLocal", "layout.", minimum=1, default=max(data // node_count, 1)),
+        expert=bool(lay.get("expert", False)),
+        world_size=_int(lay, "worldSize", "layout.", minimum=1, default=tensor * data),
+        replicas_per_node=_int(lay, "replicasPerNode", "layout.", minimum=1, default=1),
+    )
+    if layout.world_size != tensor * data:
+        raise ConfigError(
+            f"plan: layout.worldSize {layout.world_size} != tensor {tensor} x data {data}"
+        )
+    if layout.world_size % node_count:
+        raise ConfigError(
+            f"plan: world size {layout.world_size} does not split evenly over {node_count} nodes"
+        )
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        raise ConfigError("plan: spec must be an object (the WeightCache spec)")
+    model = spec.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
+        raise ConfigError("plan: spec.model.path must be a non-empty string")
+    par = spec.get("parallelism") or {}
+    if not isinstance(par, dict):
+        raise ConfigError("plan: spec.parallelism must be an object")
+    if par.get("pipeline", 1) not in (None, 1):
+        raise ConfigError("plan: pipeline parallelism is not supported by the weight cache daemons")
+    return Plan(
+        cache=_str(doc, "cache"),
+        namespace=_str(doc, "namespace"),
+        uid=str(doc.get("uid", "")),
+        epoch=_int(doc, "epoch", "", default=0),
+        runtime=runtime,
+        master_addr=str(doc.get("masterAddr") or ""),
+        node_count=node_count,
+        gpus_per_node=_int(doc, "gpusPerNode", "", minimum=1,
+                           default=layout.world_size // node_count),
+        nodes=nodes,
+        layout=layout,
+        spec=spec,
+    )
+
+
+def read_plan(path: str) -> Plan:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"plan: {path} does not exist; is the placement ConfigMap mounted?"
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(f"plan: cannot read {path}: {exc.strerror}") from exc
+    return parse_plan(data)
+
+
+Runner = Callable[[list[str]], str]
+
+
+def _run_nvidia_smi(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def discover_devices(
+    kind: str,
+    count: int,
+    environ: Mapping[str, str] | None = None,
+    runner: Runner | None = None,
+) -> list[Device]:
+    """The local devices, in the order the child will index them.
+
+    CPU "devices" are identities only (the native runtime on CPU serves one rank per slot),
+    so any count is available. For CUDA the sources are, in order: NVIDIA_VISIBLE_DEVICES
+    when it lists UUIDs (what the container runtime exposes), else nvidia-smi in PCI order
+    (inside a container the NVIDIA runtime already limits it to the visible GPUs, so indices
+    in NVIDIA_VISIBLE_DEVICES are not applied a second time).
+    """
+    env = os.environ if environ is None else environ
+    if kind == "cpu":
+        from weightcache.agent.identity import cpu_identity
+
+        return [Device(index=i, uuid=cpu_identity(i), kind="cpu") for i in range(count)]
+    visible = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if visible in ("none", "void"):
+        raise ConfigError(f"NVIDIA_VISIBLE_DEVICES={visible}: this container sees no GPU")
+    items = [v.strip() for v in visible.split(",") if v.strip()]
+    if visible == "all":
+        items = []
+    if items and all(_UUID_RE.match(v) for v in items):
+        return [Device(index=i, uuid=u) for i, u in enumerate(items)]
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if runner is None and smi is None:
+        raise ConfigError(
+            "no GPU found: NVIDIA_VISIBLE_DEVICES lists no GPU UUIDs and nvidia-smi is not "
+            "on PATH (does the pod use the NVIDIA runtime class?)"
+        )
+    argv = [smi or "nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"]
+    try:
+        out = (runner or _run_nvidia_smi)(argv)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError(f"nvidia-smi failed: {exc}") from exc
+    found: list[tuple[str, str]] = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and _UUID_RE.match(parts[1]):
+            found.append((parts[0], parts[1]))
+    return [Device(index=n, uuid=u) for n, (_, u) in enumerate(found)]
+
+
+def _ports(spec: Mapping[str, Any]) -> dict[str, int]:
+    ports = dict(C.DEFAULT_PORTS)
+    raw = spec.get("ports") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("plan: spec.ports must be an object")
+    for key, value in raw.items():
+        if key not in ports:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            raise ConfigError(f"plan: spec.ports.{key} must be a port number, got {value!r}")
+        ports[key] = value
+    return ports
+
+
+def build_config(
+    env: AgentEnv,
+    plan: Plan,
+    environ: Mapping[str, str] | None = None,
+    runner: Runner | None = None,
+) -> AgentConfig:
+    """Work out this node's place in the group and pin its ranks to local devices."""
+    environ = os.environ if environ is None else environ
+    if (plan.cache, plan.namespace) != (env.cache, env.namespace):
+        raise ConfigError(
+            f"plan is for cache {plan.namespace}/{plan.cache}, this agent serves "
+            f"{env.namespace}/{env.cache}: wrong ConfigMap mounted"
+        )
+    if env.node not in plan.nodes:
+        raise ConfigError(
+            f"node {env.node!r} is not in the placement plan of {env.namespace}/{env.cache} "
+            f"(planned: {', '.join(sorted(plan.nodes))}); this pod should not run here"
+        )
+    node_rank = plan.nodes[env.node]
+    local_world = plan.layout.world_size // plan.node_count
+    # vLLM's daemons rendezvous across nodes; native ranks need no rendezvous.
+    if plan.node_count > 1 and not plan.master_addr and plan.runtime == "vllm":
+        raise ConfigError("plan: masterAddr is required when the group spans nodes")
+    kind = "cpu" if plan.runtime == "native" and plan.spec.get("device") == "cpu" else "cuda"
+    devices = discover_devices(kind, local_world, environ, runner)
+    if len(devices) < local_world:
+        raise ConfigError(
+            f"this node has {len(devices)} usable GPU(s) but the plan needs {local_world} "
+            f"local rank(s) (world {plan.layout.world_size} over {plan.node_count} node(s))"
+        )
+    socket_dir = (
+        environ.get("WEIGHTCACHE_AGENT_SOCKET_DIR")
+        or plan.spec.get("socketDir")
+        or C.default_socket_dir(plan.namespace, plan.cache)
+    )
+    if not os.path.isabs(socket_dir):
+        raise ConfigError(f"socket dir {socket_dir!r} must be an absolute path")
+    timeout = environ.get("WEIGHTCACHE_LOAD_TIMEOUT_S")
+    try:
+        load_timeout = float(timeout) if timeout else 1800.0
+    except ValueError as exc:
+        raise ConfigError(f"WEIGHTCACHE_LOAD_TIMEOUT_S={timeout!r} is not a number") from exc
+    return AgentConfig(
+        env=env,
+        plan=plan,
+        node_rank=node_rank,
+        node_count=plan.node_count,
+        master_addr=plan.master_addr or "127.0.0.1",
+        local_world_size=local_world,
+        devices=tuple(devices[:local_world]),
+        socket_dir=socket_dir,
+        ports=_ports(plan.spec),
+        load_timeout_s=load_timeout,
+    )
+
+
+def load(environ: Mapping[str, str] | None = None, runner: Runner | None = None) -> AgentConfig:
+    env = AgentEnv.from_environ(environ)
+    return build_config(env, read_plan(env.plan_path), environ, runner)

@@ -1,0 +1,527 @@
+"""One daemon rank: load this rank's shard into one arena, then serve it on a Unix socket.
+
+Started by `weightcache preload` (one process per rank) as
+`python -m weightcache.agent.daemon ...`. Order matters: take the socket's lock, remove a stale
+socket, load the whole shard, and only then bind, so a client either finds no socket (and
+falls back) or a daemon with a complete table. The launcher learns that the rank serves from
+one `SERVING {json}` line on stdout.
+
+Exit codes: 0 clean stop, 2 bad input (model, shard rules, flags), 3 another daemon holds the
+socket, 4 socket directory refused by the security checks, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import fingerprint as fp
+from . import protocol as proto
+from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .identity import device_identity, socket_path
+from .security import (
+    AlreadyRunningError,
+    SecurityError,
+    SocketLock,
+    bind_unix_socket,
+    check_peer,
+    prepare_socket_dir,
+)
+from .sharding import ShardingError, parse_rules
+
+if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
+    import torch
+
+    from .loader import Layout
+    from .transport import Arena
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES
+
+log = logging.getLogger("weightcache.daemon")
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SECURITY = 0, 1, 2, 3, 4
+IDLE_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 64
+# Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
+BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
+
+
+class Stop(Exception):
+    """Raised by the signal handler to leave the accept loop."""
+
+
+class Stats:
+    """Counters the node agent scrapes with the `stats` command."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, dict[str, int]] = {}
+        self.mismatches: dict[str, int] = {}
+        self.buckets = [0] * len(BUCKETS)
+        self.attach_count = 0
+        self.attach_sum = 0.0
+        self.watchers = 0
+        self.connections = 0
+
+    def request(self, command: str, result: str) -> None:
+        with self._lock:
+            per = self.requests.setdefault(command, {})
+            per[result] = per.get(result, 0) + 1
+
+    def mismatch(self, fields: list[str]) -> None:
+        with self._lock:
+            for name in fields:
+                self.mismatches[name] = self.mismatches.get(name, 0) + 1
+
+    def attach(self, seconds: float) -> None:
+        with self._lock:
+            self.attach_count += 1
+            self.attach_sum += seconds
+            for i, bound in enumerate(BUCKETS):
+                if seconds <= bound:
+                    self.buckets[i] += 1
+
+    def adjust(self, name: str, delta: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": {k: dict(v) for k, v in self.requests.items()},
+                "mismatches": dict(self.mismatches),
+                "attach_seconds": {
+                    "buckets": [[b, c] for b, c in zip(BUCKETS, self.buckets, strict=True)]
+                    + [["+Inf", self.attach_count]],
+                    "sum": self.attach_sum,
+                    "count": self.attach_count,
+                },
+                "watchers": self.watchers,
+                "connections": self.connections,
+            }
+
+
+class RankServer:
+    def __init__(
+        self,
+        *,
+        arena: Arena,
+        transport_name: str,
+        layout: Layout,
+        fingerprint: dict[str, Any],
+        identity: str,
+        device: torch.device,
+        rank: int,
+        tp_size: int,
+        role: str,
+        global_rank: int,
+        dp_rank: int,
+        load_seconds: float,
+        allowed_uids: set[int],
+    ) -> None:
+        self.arena: Arena | None = arena
+        self.transport_name = transport_name
+        self.table = layout.table()
+        self.aliases = layout.aliases
+        self.nbytes = layout.nbytes
+        self.fingerprint = fingerprint
+        self.identity = identity
+        self.device = device
+        self.rank = rank
+        self.tp_size = tp_size
+        self.global_rank = global_rank
+        self.dp_rank = dp_rank
+        self.role = role
+        self.load_seconds = load_seconds
+        self.allowed_uids = allowed_uids
+        self.stats = Stats()
+        self._state_lock = threading.Lock()
+        self._watchers: set[socket.socket] = set()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.stopping = threading.Event()
+
+    # -- commands ---------------------------------------------------------------------------
+    def _device_info(self) -> dict[str, Any]:
+        return {"kind": self.device.type, "uuid": self.identity, "index": self.device.index or 0}
+
+    def cmd_hello(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        from .transport import available_transports
+
+        return proto.ok(
+            protocol=proto.PROTOCOL_VERSION,
+            runtime_version=fp.RUNTIME_VERSION,
+            capabilities=available_transports(self.device),
+            transport=self.transport_name,
+            device=self._device_info(),
+            rank=self.rank,
+            tp_size=self.tp_size,
+            global_rank=self.global_rank,
+            dp_rank=self.dp_rank,
+            role=self.role,
+            ready=self.arena is not None,
+            pid=os.getpid(),
+        ), []
+
+    def cmd_get_memory(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        held = self.arena is not None
+        return proto.ok(
+            bytes=self.nbytes if held else 0,
+            tensors=len(self.table) if held else 0,
+            device=self._device_info(),
+            released=not held,
+        ), []
+
+    def cmd_stats(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return proto.ok(
+            **self.stats.snapshot(),
+            rank=self.rank,
+            global_rank=self.global_rank,
+            dp_rank=self.dp_rank,
+            bytes=self.nbytes if self.arena is not None else 0,
+            load_seconds=self.load_seconds,
+            ready=self.arena is not None,
+        ), []
+
+    def cmd_get_state(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        expected = req.get("fingerprint")
+        if not isinstance(expected, dict):
+            return proto.error(proto.E_BAD_REQUEST, "get_state needs a fingerprint map"), []
+        wanted = req.get("transport")
+        if wanted is not None and wanted != self.transport_name:
+            return proto.error(
+                proto.E_TRANSPORT_UNAVAILABLE,
+                f"this rank serves transport {self.transport_name!r}, not {wanted!r}",
+                available=[self.transport_name],
+            ), []
+        fields = fp.mismatched_fields(self.fingerprint, expected)
+        if fields:
+            self.stats.mismatch(fields)
+            return proto.error(
+                proto.E_FINGERPRINT_MISMATCH,
+                f"cached shard differs in: {', '.join(fields)}",
+                fields=fields,
+            ), []
+        with self._state_lock:
+            if self.arena is None:
+                return proto.error(proto.E_RELEASED, "the cache was released"), []
+            meta, fds = self.arena.export()
+            # Duplicates: a concurrent `release` may close the arena's own fds before we send.
+            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta)
+            return reply, [os.dup(fd) for fd in fds]
+
+    def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._state_lock:
+            if self.arena is None:
+                return proto.ok(released=0), []
+            arena, self.arena = self.arena, None
+        # Freeing a large arena takes a while; the client need not wait for it.
+        threading.Thread(target=arena.close, daemon=True).start()
+        log.info("rank %d released its arena (%d bytes)", self.rank, self.nbytes)
+        return proto.ok(released=self.nbytes), []
+
+    # -- connections ------------------------------------------------------------------------
+    def handle(self, conn: socket.socket) -> None:
+        started = time.monotonic()
+        served_state = False
+        self.stats.adjust("connections", 1)
+        try:
+            try:
+                check_peer(conn, self.allowed_uids)
+            except SecurityError as exc:
+                self.stats.request("connect", proto.E_PERMISSION_DENIED)
+                with contextlib.suppress(OSError):
+                    proto.send_frame(conn, proto.error(proto.E_PERMISSION_DENIED, str(exc)))
+                return
+            conn.settimeout(IDLE_TIMEOUT_S)
+            while not self.stopping.is_set():
+                try:
+                    req, _ = proto.recv_frame(conn)
+                except proto.PeerClosedError:
+                    return
+                except proto.ProtocolError as exc:
+                    self.stats.request("invalid", exc.code)
+                    with contextlib.suppress(OSError, proto.ProtocolError):
+                        proto.send_frame(conn, proto.error(exc.code, str(exc)))
+                    return
+                cmd = req.get("cmd")
+                if cmd == "watch":
+                    self.stats.request("watch", "ok")
+                    self._watch(conn)
+                    return
+                handler = getattr(self, f"cmd_{cmd}", None) if cmd in proto.COMMANDS else None
+                if handler is None:
+                    self.stats.request("unknown", proto.E_UNKNOWN_COMMAND)
+                    proto.send_frame(
+                        conn, proto.error(proto.E_UNKNOWN_COMMAND, f"unknown command {cmd!r}")
+                    )
+                    continue
+                try:
+                    reply, fds = handler(req)
+                except Exception as exc:  # a bug must not take the rank down
+                    log.exception("command %s failed", cmd)
+                    reply, fds = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}"), []
+                self.stats.request(cmd, "ok" if reply.get("ok") else reply.get("error", "error"))
+                try:
+                    proto.send_frame(conn, reply, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                if cmd == "get_state" and reply.get("ok"):
+                    served_state = True
+        except (OSError, proto.ProtocolError):
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+            if served_state:
+                self.stats.attach(time.monotonic() - started)
+            self.stats.adjust("connections", -1)
+            self._slots.release()
+
+    def _watch(self, conn: socket.socket) -> None:
+        """Hold the connection open until the peer leaves or the daemon stops."""
+        proto.send_frame(conn, proto.ok(watching=True, rank=self.rank))
+        conn.settimeout(None)
+        self._watchers.add(conn)
+        self.stats.adjust("watchers", 1)
+        try:
+            while not self.stopping.is_set():
+                if not conn.recv(4096):
+                    return
+        except OSError:
+            return
+        finally:
+            self._watchers.discard(conn)
+            self.stats.adjust("watchers", -1)
+
+    def serve(self, listener: socket.socket) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                if self.stopping.is_set():
+                    return
+                raise
+            if not self._slots.acquire(blocking=False):
+                with contextlib.suppress(OSError, proto.ProtocolError):
+                    proto.send_frame(conn, proto.error(proto.E_BUSY, "too many connections"))
+                conn.close()
+                continue
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        for conn in list(self._watchers):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        with self._state_lock:
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel for SIGTERM when the launcher dies, so ranks never outlive it."""
+    if parent_pid is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        raise Stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache-daemon", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (the shard)")
+    # Where this rank sits in the whole group; reported, not fingerprinted: a dense model's
+    # data-parallel replicas hold identical shards.
+    p.add_argument("--global-rank", type=int, default=None)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device-index", type=int, default=None)
+    p.add_argument("--weight-cache-socket-dir", default=None)
+    p.add_argument("--shard-rule", action="append", default=None)
+    p.add_argument("--no-shard-rules", action="store_true")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--role", choices=("main", "draft"), default="main")
+    p.add_argument("--transport", default=None)
+    p.add_argument("--allow-uid", type=int, action="append", default=[])
+    p.add_argument("--parent-pid", type=int, default=None)
+    return p
+
+
+def _emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check input, take the lock, then (and only then) import torch, load, bind, serve.
+
+    Taking the lock before importing torch makes a second daemon for the same device fail
+    in a fraction of a second.
+    """
+    tp, rank = args.tensor_parallel_size, args.rank
+    if tp < 1 or not 0 <= rank < tp:
+        log.error("bad rank %d for tensor-parallel-size %d", rank, tp)
+        return EXIT_BAD_INPUT
+    index = rank if args.device_index is None else args.device_index
+    global_rank = rank if args.global_rank is None else args.global_rank
+    if index < 0 or global_rank < 0 or args.dp_rank < 0:
+        log.error("bad device index %d / global rank %d / dp rank %d",
+                  index, global_rank, args.dp_rank)
+        return EXIT_BAD_INPUT
+    try:
+        rules = parse_rules([] if args.no_shard_rules else args.shard_rule)
+        ckpt = open_checkpoint(args.model)
+    except (CheckpointError, ShardingError) as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_INPUT
+    try:
+        sock_dir = prepare_socket_dir(args.weight_cache_socket_dir)
+    except (SecurityError, OSError) as exc:
+        log.error("socket directory refused: %s", exc)
+        return EXIT_SECURITY
+    identity = device_identity(args.device, index)
+    path = socket_path(sock_dir, identity, args.role)
+    lock = SocketLock(path)
+    try:
+        lock.acquire()
+    except AlreadyRunningError as exc:
+        log.error("%s", exc)
+        return EXIT_LOCKED
+    except (SecurityError, OSError) as exc:
+        log.error("cannot lock %s: %s", lock.path, exc)
+        return EXIT_SECURITY
+    arena: Arena | None = None
+    listener: socket.socket | None = None
+    server: RankServer | None = None
+    try:
+        import torch
+
+        from .loader import load_into_arena, plan_layout
+        from .transport import default_transport, get_transport
+
+        device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
+        try:
+            layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype,
+                                 aliases=tied_aliases(ckpt))
+        except ShardingError as exc:
+            log.error("%s", exc)
+            return EXIT_BAD_INPUT
+        fingerprint = fp.compute(
+            ckpt,
+            tp_size=tp,
+            tp_rank=rank,
+            dtype=args.dtype,
+            shard_rules=[r.text for r in rules],
+            aliases=layout.aliases,
+        )
+        # A socket left by a dead daemon would let clients connect to nothing: drop it first.
+        if os.path.lexists(path):
+            with contextlib.suppress(FileNotFoundError):
+                if Path(path).is_socket() and not Path(path).is_symlink():
+                    os.unlink(path)
+        t0 = time.monotonic()
+        transport = get_transport(args.transport) if args.transport else default_transport(device)
+        arena = transport.allocate(layout.nbytes, device)
+        load_into_arena(layout, arena.tensor())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        load_seconds = time.monotonic() - t0
+        delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            time.sleep(delay)
+        arena.export()  # seal / create the handle now, not on the first engine's clock
+        server = RankServer(
+            arena=arena,
+            transport_name=transport.name,
+            layout=layout,
+            fingerprint=fingerprint,
+            identity=identity,
+            device=device,
+            rank=rank,
+            tp_size=tp,
+            role=args.role,
+            global_rank=global_rank,
+            dp_rank=args.dp_rank,
+            load_seconds=load_seconds,
+            allowed_uids={os.getuid(), *args.allow_uid},
+        )
+        listener = bind_unix_socket(path)
+        _emit(
+            "SERVING "
+            + json.dumps(
+                {
+                    "rank": rank,
+                    "global_rank": global_rank,
+                    "dp_rank": args.dp_rank,
+                    "local_rank": index,
+                    "socket": str(path),
+                    "device": identity,
+                    "bytes": layout.nbytes,
+                    "tensors": len(layout.entries),
+                    "load_seconds": round(load_seconds, 4),
+                    "pid": os.getpid(),
+                }
+            )
+        )
+        log.info("rank %d serving %d bytes on %s", rank, layout.nbytes, path)
+        server.serve(listener)
+        return EXIT_OK
+    except Stop:
+        return EXIT_OK
+    except Exception as exc:  # report any failure as this rank's exit code, never hang
+        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
+        return EXIT_ERROR
+    finally:
+        if server is not None:
+            server.shutdown()
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if arena is not None:
+            arena.close()
+        lock.release()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{args.rank if args.global_rank is None else args.global_rank}"
+        " %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        _die_with_parent(args.parent_pid)
+        return run(args)
+    except Stop:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Prometheus metrics of the node agent (names fixed in docs/interfaces.md).
+
+Everything is computed at scrape time from one supervisor snapshot by a custom collector,
+so series of ranks that no longer exist disappear with them instead of going stale. The
+native daemons' request counters reset when a daemon restarts; `_Accumulator` folds every
+reset into a running total so the exported `_total` series stay monotonic per agent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from weightcache.agent.config import AgentConfig
+from weightcache.agent.supervisor import Snapshot, State, Supervisor
+
+from weightcache import __version__
+
+RANK_LABELS = ["cache", "namespace", "node", "rank", "tp_rank", "dp_rank", "gpu_uuid", "role"]
+# Daemon results folded into three values so a misbehaving peer cannot grow label sets.
+KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watch", "stats"})
+
+
+def result_class(result: str) -> str:
+    if result == "ok":
+        return "ok"
+    if result in ("fingerprint_mismatch", "mismatch"):
+        return "mismatch"
+    return "error"
+
+
+class _Accumulator:
+    """Monotonic totals over per-source counters that may reset to zero."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, float] = {}
+        self._total: dict[tuple, float] = {}
+
+    def observe(self, source: tuple, series: tuple, value: float) -> None:
+        key = (source, series)
+        last = self._last.get(key, 0.0)
+        delta = value - last if value >= last else value
+        self._last[key] = value
+        self._total[series] = self._total.get(series, 0.0) + delta
+
+    def totals(self, prefix: str) -> dict[tuple, float]:
+        return {k[1:]: v for k, v in self._total.items() if k[0] == prefix}
+
+
+class AgentCollector(Collector):
+    def __init__(self, cfg: AgentConfig, supervisor: Supervisor) -> None:
+        self.cfg = cfg
+        self.supervisor = supervisor
+        self._acc = _Accumulator()
+        self._lock = threading.Lock()
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.supervisor.snapshot()
+        cfg = self.cfg
+        cache = cfg.env.cache
+        info = InfoMetricFamily("weightcache_build", "Build of the weightcache node agent.")
+        info.add_metric([], {"version": __version__, "runtime": cfg.plan.runtime})
+        yield info
+        ready = GaugeMetricFamily("weightcache_rank_ready",
+                                  "Whether a local daemon rank serves its socket (1) or not (0).",
+                                  labels=RANK_LABELS)
+        cached = GaugeMetricFamily("weightcache_cached_bytes",
+                                   "Bytes of weights a local daemon rank holds for engines.",
+                                   labels=RANK_LABELS)
+        load = GaugeMetricFamily("weightcache_load_duration_seconds",
+                                 "Seconds from launch until the rank's socket answered.",
+                                 labels=["cache", "rank", "role"])
+        for r in snap.ranks:
+            s = r.spec
+            labels = [cache, cfg.env.namespace, cfg.env.node, str(s.global_rank), str(s.tp_rank),
+                      str(s.dp_rank), s.device.uuid, s.role]
+            ready.add_metric(labels, 1.0 if r.state == State.READY else 0.0)
+            cached.add_metric(labels, float(r.bytes))
+            if r.load_seconds is not None:
+                load.add_metric([cache, str(s.global_rank), s.role], r.load_seconds)
+        yield ready
+        yield cached
+        yield load
+        restarts = CounterMetricFamily("weightcache_daemon_restarts",
+                                       "Times the agent restarted its daemons.", labels=["cache"])
+        restarts.add_metric([cache], float(snap.restarts))
+        yield restarts
+        agent_ready = GaugeMetricFamily("weightcache_agent_ready",
+                                        "Whether every local rank of the cache is ready (1).",
+                                        labels=["cache"])
+        agent_ready.add_metric([cache], 1.0 if snap.ready else 0.0)
+        yield agent_ready
+        if self.supervisor.runtime.collect_stats():
+            yield from self._daemon_stats(snap, cache)
+
+    def _daemon_stats(self, snap: Snapshot, cache: str) -> Iterator[Metric]:
+        attached = GaugeMetricFamily(
+            "weightcache_engines_attached",
+            "Engines holding a watch connection on a rank (the agent's own watch excluded).",
+            labels=["cache", "rank", "role"])
+        buckets: list[str] = []
+        with self._lock:
+            for r in snap.ranks:
+                st = r.stats
+                if not st:
+                    continue
+                src = (r.spec.global_rank, r.spec.role)
+                for cmd, per in (st.get("requests") or {}).items():
+                    command = cmd if cmd in KNOWN_COMMANDS else "other"
+                    for result, n in (per or {}).items():
+                        self._acc.observe(src, ("req", command, result_class(str(result))),
+                                          _num(n))
+                for fld, n in (st.get("mismatches") or {}).items():
+                    self._acc.observe(src, ("mm", str(fld)[:64]), _num(n))
+                hist = st.get("attach_seconds") or {}
+                for bound, n in hist.get("buckets") or []:
+                    le = "+Inf" if str(bound) == "+Inf" else repr(float(bound))
+                    if le not in buckets:
+                        buckets.append(le)
+                    self._acc.observe(src, ("bucket", le), _num(n))
+                self._acc.observe(src, ("hsum",), _num(hist.get("sum", 0)))
+                watchers = int(_num(st.get("watchers", 0)))
+                own = 1 if r.state == State.READY else 0
+                attached.add_metric([cache, str(r.spec.global_rank), r.spec.role],
+                                    float(max(watchers - own, 0)))
+            req_totals = self._acc.totals("req")
+            mm_totals = self._acc.totals("mm")
+            bucket_totals = self._acc.totals("bucket")
+            hsum = self._acc.totals("hsum").get((), 0.0)
+        requests = CounterMetricFamily("weightcache_daemon_requests",
+                                       "Requests the native daemons answered, by result.",
+                                       labels=["cache", "command", "result"])
+        for (command, result), n in sorted(req_totals.items()):
+            requests.add_metric([cache, command, result], n)
+        yield requests
+        mismatches = CounterMetricFamily(
+            "weightcache_fingerprint_mismatches",
+            "Attach attempts refused (engine fell back to disk), by fingerprint field.",
+            labels=["cache", "field"])
+        for (fld,), n in sorted(mm_totals.items()):
+            mismatches.add_metric([cache, fld], n)
+        yield mismatches
+        hist_family = HistogramMetricFamily("weightcache_attach_duration_seconds",
+                                            "Seconds the daemons spent serving get_state.",
+                                            labels=["cache"])
+        ordered = sorted((b for b in bucket_totals if b[0] != "+Inf"), key=lambda b: float(b[0]))
+        count = bucket_totals.get(("+Inf",), 0.0)
+        pairs = [(b[0], bucket_totals[b]) for b in ordered] + [("+Inf", count)]
+        hist_family.add_metric([cache], pairs, hsum)
+        yield hist_family
+        yield attached
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def build_registry(cfg: AgentConfig, supervisor: Supervisor) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(cfg, supervisor))
+    ProcessCollector(registry=registry)
+    return registry

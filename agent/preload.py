@@ -1,0 +1,330 @@
+"""`weightcache preload`: the native weight cache daemon, one process per rank.
+
+Flags follow `vllm preload` where the meaning is the same, including the multi-node and
+data-parallel ones (`--nnodes`, `--node-rank`, `--data-parallel-size`,
+`--data-parallel-size-local`, `--data-parallel-start-rank`): local device i serves the global
+rank vLLM's engine gives it (weightcache.agent.layout). Native ranks need no rendezvous, so
+there is no master address or port. The launcher checks the layout, the model and the shard
+rules for every rank before starting anything (so bad input fails once, clearly), starts one
+`weightcache.agent.daemon` process per local rank (fresh interpreters, never fork, so
+CUDA and torch threads are safe), prints one `READY {json}` line when every rank serves, and
+exits with the failing rank's exit code if a rank dies. SIGINT/SIGTERM stop every rank (which
+unlinks its socket and lock file and frees its arena). With --weight-cache-health-port, GET
+/health answers 200 while all ranks serve and 503 otherwise.
+
+Stdout carries only machine-readable lines: `HEALTH {json}` (when enabled) and `READY {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .layout import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+
+log = logging.getLogger("weightcache.preload")
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES, torch-free
+
+EXIT_BAD_INPUT, EXIT_SECURITY = 2, 4
+STOP_GRACE_S = 15.0
+
+
+class Rank:
+    def __init__(self, place: LocalRank, proc: subprocess.Popen) -> None:
+        self.place = place
+        self.rank = place.global_rank
+        self.proc = proc
+        self.info: dict[str, Any] | None = None
+        self.serving = threading.Event()
+
+    def state(self) -> dict[str, Any]:
+        code = self.proc.poll()
+        status = "exited" if code is not None else "serving" if self.serving.is_set() else "loading"
+        out: dict[str, Any] = {"rank": self.rank, "local_rank": self.place.local,
+                               "tp_rank": self.place.tp_rank, "dp_rank": self.place.dp_rank,
+                               "state": status, "pid": self.proc.pid}
+        if self.info:
+            out.update(socket=self.info.get("socket"), bytes=self.info.get("bytes"))
+        if code is not None:
+            out["exit_code"] = code
+        return out
+
+
+def _reader(rank: Rank) -> None:
+    assert rank.proc.stdout is not None
+    for line in rank.proc.stdout:
+        if line.startswith("SERVING "):
+            try:
+                rank.info = json.loads(line[len("SERVING ") :])
+            except ValueError:
+                rank.info = {}
+            rank.serving.set()
+        else:
+            sys.stderr.write(f"[rank {rank.rank}] {line}")
+
+
+def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/health", "/healthz"):
+                self.send_error(404)
+                return
+            states = [r.state() for r in ranks]
+            ready = bool(states) and all(s["state"] == "serving" for s in states)
+            body = json.dumps({"ready": ready, "ranks": states}).encode()
+            self.send_response(200 if ready else 503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache preload", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="safetensors checkpoint directory")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel replicas in the whole group (a dense model's replicas "
+                        "hold identical shards)")
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="data-parallel ranks this launcher serves (default: all of them, or "
+                        "what --nnodes implies)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
+                   help="data-parallel rank of this launcher's first local device")
+    p.add_argument("--nnodes", "-n", type=int, default=1,
+                   help="nodes the group spans; node r serves global ranks r*local+i")
+    p.add_argument("--node-rank", "-r", type=int, default=0, help="this node's index, 0-based")
+    p.add_argument("--weight-cache-socket-dir", default=None,
+                   help="socket directory (default: a private per-user dir under the temp dir)")
+    p.add_argument("--weight-cache-health-port", type=int, default=None,
+                   help="serve GET /health on this port (0: any free port)")
+    p.add_argument("--weight-cache-health-host", default="127.0.0.1")
+    p.add_argument("--weight-cache-allow-uid", type=int, action="append", default=[],
+                   help="also accept clients running as this uid (repeatable)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
+                   help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
+    p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--transport", default=None, help="arena transport (default: best available)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop all ranks when the process that started us dies (for supervisors)")
+    return p
+
+
+def _device_count(kind: str) -> int:
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def parallel_flags(args: argparse.Namespace) -> ParallelFlags:
+    return ParallelFlags(
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_start_rank=args.data_parallel_start_rank,
+    )
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    """Everything that would make a rank fail on input, checked once for all ranks.
+
+    Only headers are read and torch is not imported, so bad input fails in well under a
+    second instead of after every rank has started.
+    """
+    from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+    from .security import SecurityError, prepare_socket_dir
+    from .sharding import ShardingError, parse_rules, plan_shard
+
+    tp = args.tensor_parallel_size
+    flags = parallel_flags(args)
+    try:
+        args.placements = plan_local_ranks(flags)
+    except LayoutError as exc:
+        return str(exc)
+    devices = _device_count(args.device)
+    local = len(args.placements)
+    if local > devices and local == tp:
+        return f"--tensor-parallel-size {tp} exceeds the {devices} {args.device} device(s) here"
+    if local > devices:
+        return (f"{flags.describe()}: this node would serve {local} local ranks, more than "
+                f"the {devices} {args.device} device(s) here")
+    try:
+        rules = parse_rules([] if args.no_shard_rules else args.shard_rule)
+        ckpt = open_checkpoint(args.model)
+        aliases = tied_aliases(ckpt)
+        for name, info in ckpt.tensors.items():
+            if name not in aliases:
+                plan_shard(name, info.shape, rules, tp, 0)
+    except (CheckpointError, ShardingError) as exc:
+        return str(exc)
+    try:
+        prepare_socket_dir(args.weight_cache_socket_dir)
+    except (SecurityError, OSError) as exc:
+        raise PermissionError(f"socket directory refused: {exc}") from None
+    return None
+
+
+def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "weightcache.agent.daemon",
+        "--model", args.model,
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--rank", str(place.tp_rank),
+        "--device-index", str(place.local),
+        "--global-rank", str(place.global_rank),
+        "--dp-rank", str(place.dp_rank),
+        "--device", args.device,
+        "--dtype", args.dtype,
+        "--parent-pid", str(os.getpid()),
+    ]
+    if args.weight_cache_socket_dir:
+        cmd += ["--weight-cache-socket-dir", args.weight_cache_socket_dir]
+    if args.no_shard_rules:
+        cmd.append("--no-shard-rules")
+    for rule in args.shard_rule or []:
+        cmd += ["--shard-rule", rule]
+    for uid in args.weight_cache_allow_uid:
+        cmd += ["--allow-uid", str(uid)]
+    if args.transport:
+        cmd += ["--transport", args.transport]
+    return cmd
+
+
+def _exit_with_parent(parent: int) -> None:
+    """SIGTERM us when the parent dies (Linux PR_SET_PDEATHSIG), so a supervisor that is
+    killed outright never leaves ranks holding the device's sockets and locks."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _stop_all(ranks: list[Rank]) -> None:
+    for r in ranks:
+        if r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for r in ranks:
+        try:
+            r.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("rank %d did not stop in %.0f s; killing it", r.rank, STOP_GRACE_S)
+            r.proc.kill()
+            r.proc.wait()
+
+
+def _emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
+    try:
+        problem = _validate(args)
+    except PermissionError as exc:
+        log.error("%s", exc)
+        return EXIT_SECURITY
+    if problem:
+        log.error("%s", problem)
+        return EXIT_BAD_INPUT
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.exit_with_parent:
+        _exit_with_parent(os.getppid())
+
+    ranks: list[Rank] = []
+    health: ThreadingHTTPServer | None = None
+    started = time.monotonic()
+    try:
+        if args.weight_cache_health_port is not None:
+            try:
+                health = _health_server(args.weight_cache_health_host,
+                                        args.weight_cache_health_port, ranks)
+            except OSError as exc:
+                log.error("cannot serve /health on %s:%s: %s", args.weight_cache_health_host,
+                          args.weight_cache_health_port, exc)
+                return EXIT_BAD_INPUT
+            host, port = health.server_address[:2]
+            _emit("HEALTH " + json.dumps({"url": f"http://{host}:{port}/health"}))
+        for place in args.placements:
+            proc = subprocess.Popen(_rank_cmd(args, place), stdout=subprocess.PIPE, text=True,
+                                    stdin=subprocess.DEVNULL)
+            r = Rank(place, proc)
+            ranks.append(r)
+            threading.Thread(target=_reader, args=(r,), daemon=True).start()
+        announced = False
+        while not stop.is_set():
+            for r in ranks:
+                code = r.proc.poll()
+                if code is not None:
+                    phase = "serving" if announced else "start-up"
+                    log.error("rank %d exited with code %d during %s; stopping all ranks",
+                              r.rank, code, phase)
+                    _stop_all(ranks)
+                    return _exit_code(code) or 1
+            if not announced and all(r.serving.is_set() for r in ranks):
+                announced = True
+                infos = [r.info or {} for r in ranks]
+                _emit("READY " + json.dumps({
+                    "ranks": len(ranks),
+                    "device": args.device,
+                    "sockets": [i.get("socket") for i in infos],
+                    "bytes": sum(int(i.get("bytes") or 0) for i in infos),
+                    "seconds": round(time.monotonic() - started, 3),
+                    "pids": [r.proc.pid for r in ranks],
+                    "global_ranks": [r.place.global_rank for r in ranks],
+                    "tp_ranks": [r.place.tp_rank for r in ranks],
+                    "dp_ranks": [r.place.dp_rank for r in ranks],
+                }))
+            stop.wait(0.05)
+        log.info("signal %s: stopping %d rank(s)", received[0] if received else "?", len(ranks))
+        _stop_all(ranks)
+        return 0
+    finally:
+        _stop_all(ranks)
+        if health is not None:
+            health.shutdown()
+            health.server_close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""Wire format of the native daemon's Unix socket (docs/native.md, docs/interfaces.md).
+
+A frame is a 4-byte big-endian length followed by a msgpack map. File descriptors travel as
+SCM_RIGHTS ancillary data attached to the frame that announces them with `"fds": n`. There is
+no pickle anywhere: a peer can make us decode only maps, lists, strings, numbers and bytes,
+and never more than MAX_FRAME bytes or MAX_FDS descriptors per frame.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+MAX_FDS = 16
+_HEADER = struct.Struct(">I")
+
+# Error codes carried in `{"ok": false, "error": code, "message": str}`.
+E_BAD_FRAME = "bad_frame"
+E_FRAME_TOO_LARGE = "frame_too_large"
+E_BAD_REQUEST = "bad_request"
+E_UNKNOWN_COMMAND = "unknown_command"
+E_NOT_READY = "not_ready"
+E_RELEASED = "released"
+E_FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+E_TRANSPORT_UNAVAILABLE = "transport_unavailable"
+E_PERMISSION_DENIED = "permission_denied"
+E_BUSY = "busy"
+E_INTERNAL = "internal"
+ERROR_CODES = frozenset(
+    {
+        E_BAD_FRAME,
+        E_FRAME_TOO_LARGE,
+        E_BAD_REQUEST,
+        E_UNKNOWN_COMMAND,
+        E_NOT_READY,
+        E_RELEASED,
+        E_FINGERPRINT_MISMATCH,
+        E_TRANSPORT_UNAVAILABLE,
+        E_PERMISSION_DENIED,
+        E_BUSY,
+        E_INTERNAL,
+    }
+)
+COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
+
+
+class ProtocolError(RuntimeError):
+    """The peer sent something that is not a valid frame; the connection must be closed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerClosedError(ProtocolError):
+    """The peer closed the connection (cleanly, at a frame boundary or not)."""
+
+    def __init__(self, message: str = "peer closed the connection") -> None:
+        super().__init__(E_BAD_FRAME, message)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(E_FRAME_TOO_LARGE, f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
+    return _HEADER.pack(len(payload)) + payload
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any], fds: list[int] | tuple = ()) -> None:
+    """Send one frame; `fds` ride on its first byte and `obj["fds"]` is set to their count."""
+    fds = list(fds)
+    if fds:
+        if len(fds) > MAX_FDS:
+            raise ProtocolError(E_BAD_REQUEST, f"at most {MAX_FDS} fds per frame")
+        obj = {**obj, "fds": len(fds)}
+    data = encode(obj)
+    if fds:
+        sent = sock.sendmsg(
+            [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        )
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not part of this protocol")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> bytes:
+    """Read n bytes; on the first read also collect SCM_RIGHTS fds into `fds`."""
+    chunks = bytearray()
+    while len(chunks) < n:
+        if first:
+            anc_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+            data, ancdata, flags, _ = sock.recvmsg(
+                n - len(chunks), anc_space, socket.MSG_CMSG_CLOEXEC
+            )
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(cdata[: len(cdata) - (len(cdata) % got.itemsize)])
+                    fds.extend(got)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(E_BAD_FRAME, f"more than {MAX_FDS} fds on one frame")
+        else:
+            data = sock.recv(min(n - len(chunks), 1 << 20))
+        if not data:
+            if not chunks and first:
+                raise PeerClosedError()
+            raise PeerClosedError("peer closed the connection mid-frame")
+        chunks += data
+        first = False
+    return bytes(chunks)
+
+
+def recv_frame(
+    sock: socket.socket, *, accept_fds: bool = False, max_frame: int = MAX_FRAME
+) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame. Fds are accepted only when `accept_fds` (else: closed, and an error).
+
+    Raises ProtocolError for oversized, malformed or non-map frames, and when the number of
+    fds received differs from the count the frame announces.
+    """
+    fds: list[int] = []
+    try:
+        (length,) = struct.unpack(">I", _recv_exact(sock, _HEADER.size, fds, first=True))
+        if length > max_frame:
+            raise ProtocolError(E_FRAME_TOO_LARGE, f"frame of {length} bytes exceeds {max_frame}")
+        payload = _recv_exact(sock, length, fds, first=False) if length else b""
+        try:
+            obj = msgpack.unpackb(
+                payload, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext
+            )
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ProtocolError(E_BAD_FRAME, f"frame is not valid msgpack: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError(E_BAD_FRAME, f"frame must be a map, got {type(obj).__name__}")
+        announced = obj.get("fds", 0)
+        if fds and not accept_fds:
+            raise ProtocolError(E_BAD_FRAME, "this peer does not accept file descriptors")
+        if not isinstance(announced, int) or announced != len(fds):
+            raise ProtocolError(
+                E_BAD_FRAME, f"frame announces {announced!r} fds but carries {len(fds)}"
+            )
+        return obj, fds
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"ok": False, "error": code, "message": message, **extra}
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"ok": True, **fields}

@@ -1,0 +1,129 @@
+"""The runtime seam: what the supervisor needs from a daemon implementation.
+
+A runtime turns the validated `AgentConfig` into one child command line, says which ranks
+(and sockets) that child will serve, and knows how to ask a rank's socket whether it is
+serving. The supervisor only talks to this interface, so adding a runtime is a new module
+plus one registry entry in `runtimes/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import stat
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+from weightcache.agent.config import AgentConfig, Device
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One daemon rank this node serves: one model role on one local device."""
+
+    role: str  # "target" or "draft"
+    global_rank: int
+    tp_rank: int
+    dp_rank: int
+    local_index: int
+    device: Device
+    socket_path: str
+
+
+@dataclass
+class Probe:
+    """The answer of one rank socket to the runtime's memory query."""
+
+    ok: bool
+    bytes: int = 0
+    error: str = ""
+    stats: dict[str, Any] | None = field(default=None)
+
+
+class Runtime(ABC):
+    """A daemon implementation the agent can supervise."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def command(self) -> list[str]:
+        """The child's argv; argv[0] must be resolvable (checked by `check`)."""
+
+    @abstractmethod
+    def ranks(self) -> list[RankSpec]:
+        """Every rank (and socket) the child serves on this node, in local order."""
+
+    @abstractmethod
+    def probe(self, rank: RankSpec, timeout: float) -> Probe:
+        """Ask a rank's socket for its cached bytes; never raises."""
+
+    def environment(self) -> dict[str, str | None]:
+        """Environment changes for the child (device pinning and the like); None unsets."""
+        return {}
+
+    def watch(self, rank: RankSpec, timeout: float) -> socket.socket | None:
+        """A connection that reaches EOF when the rank exits (None: not supported)."""
+        return None
+
+    def local_ports(self) -> list[tuple[str, int]]:
+        """Loopback ports the child binds, checked free before each launch."""
+        return []
+
+    def health_url(self) -> str | None:
+        """The child's own HTTP health endpoint, if it has one."""
+        return None
+
+    def collect_stats(self) -> bool:
+        """Whether `Probe.stats` carries request counters worth exporting."""
+        return False
+
+
+def socket_is_ours(path: str, private_dir: str) -> str | None:
+    """Why `path` must not be talked to, or None when it is a socket we own in our dir.
+
+    The checks mirror the daemons' own (lstat, owner uid, no symlinks, private directory),
+    so the agent never sends a request to a socket another user could have planted.
+    """
+    uid = os.getuid()
+    directory = os.path.dirname(path)
+    if os.path.realpath(directory) != os.path.realpath(private_dir):
+        return f"{path} is outside the socket directory {private_dir}"
+    try:
+        dinfo = os.lstat(directory)
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "socket not bound yet"
+    except OSError as exc:
+        return f"cannot stat {path}: {exc.strerror}"
+    if stat.S_ISLNK(dinfo.st_mode) or not stat.S_ISDIR(dinfo.st_mode):
+        return f"{directory} is not a real directory"
+    if dinfo.st_uid != uid or dinfo.st_mode & 0o077:
+        return f"{directory} is not private to uid {uid} (mode {oct(dinfo.st_mode & 0o777)})"
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISSOCK(info.st_mode):
+        return f"{path} is not a socket"
+    if info.st_uid != uid:
+        return f"{path} is owned by uid {info.st_uid}, not {uid}"
+    return None
+
+
+def http_health(url: str, timeout: float) -> bool:
+    """True when the child's health endpoint answers 200.
+
+    http.client rather than urllib: proxy variables in the pod must not reroute a loopback probe.
+    """
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                      timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()

@@ -1,0 +1,181 @@
+"""Runtime `native`: supervise `weightcache preload`, this project's own daemon.
+
+The launcher takes vLLM's parallel flags, so local device i of node r serves global rank
+`r * local + i` (TP rank `g % tp`, DP rank `g // tp`), the operator's layout. Native ranks need
+no rendezvous (each computes its shard from the checkpoint), so the agent passes
+`--nnodes/--node-rank` for groups spanning nodes and the DP placement flags for data
+parallelism, and no master address or port. Each rank serves on
+`<socket dir>/<device identity>.sock` (weightcache.agent.identity). Its sockets speak the
+msgpack protocol of weightcache.agent.protocol, so the agent can also read each rank's
+`stats` (requests, mismatches, attach histogram, watchers) for Prometheus.
+
+Native shards follow tensor-parallel shard rules only: a dense model's DP replicas hold the
+same shards, but expert parallelism across DP ranks would need per-DP-rank expert shards, so
+that layout is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+from typing import Any
+
+from weightcache.agent import protocol
+from weightcache.agent.config import AgentConfig, ConfigError
+from weightcache.agent.identity import socket_path as native_socket_path
+from weightcache.agent.layout import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def parallel_flags(cfg: AgentConfig) -> ParallelFlags:
+    """The launcher's parallel flags for this node, from the plan.
+
+    With data parallelism the DP placement flags are passed as well (the plan's `dataLocal`
+    and this node's first DP rank), so the launcher cross-checks them against `--nnodes`.
+    """
+    lay = cfg.plan.layout
+    multi = cfg.multi_node
+    dp = lay.data > 1
+    local = cfg.local_world_size
+    return ParallelFlags(
+        tensor_parallel_size=lay.tensor,
+        data_parallel_size=lay.data,
+        nnodes=cfg.node_count if multi else 1,
+        node_rank=cfg.node_rank if multi else 0,
+        data_parallel_size_local=lay.data_local if dp else None,
+        data_parallel_start_rank=cfg.node_rank * local // lay.tensor if dp else None,
+    )
+
+
+def parallel_args(flags: ParallelFlags) -> list[str]:
+    out = ["--tensor-parallel-size", str(flags.tensor_parallel_size)]
+    if flags.data_parallel_size > 1:
+        out += ["--data-parallel-size", str(flags.data_parallel_size)]
+    if flags.data_parallel_size_local is not None:
+        out += ["--data-parallel-size-local", str(flags.data_parallel_size_local)]
+    if flags.data_parallel_start_rank is not None:
+        out += ["--data-parallel-start-rank", str(flags.data_parallel_start_rank)]
+    if flags.nnodes > 1:
+        out += ["--nnodes", str(flags.nnodes), "--node-rank", str(flags.node_rank)]
+    return out
+
+
+class NativeRuntime(Runtime):
+    name = "native"
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        super().__init__(cfg)
+        lay = cfg.plan.layout
+        if lay.expert and lay.data > 1:
+            raise ConfigError(
+                "runtime native: expert parallelism across data-parallel ranks is not "
+                f"supported (layout.expert with data={lay.data}); native shards follow "
+                "tensor-parallel shard rules only, so use runtime vllm or data=1")
+        self.flags = parallel_flags(cfg)
+        try:
+            self.placements: list[LocalRank] = plan_local_ranks(self.flags)
+        except LayoutError as exc:
+            raise ConfigError(f"runtime native: the plan's layout cannot be served: {exc}") \
+                from None
+        if len(self.placements) != cfg.local_world_size:
+            raise ConfigError(
+                f"runtime native: {self.flags.describe()} serves {len(self.placements)} local "
+                f"ranks but the plan gives this node {cfg.local_world_size}")
+        if (cfg.spec.get("engineArgs") or {}).get("speculativeConfig"):
+            raise ConfigError("runtime native: speculative drafts are not cached; remove "
+                              "engineArgs.speculativeConfig or use runtime vllm")
+
+    def command(self) -> list[str]:
+        cfg, spec = self.cfg, self.cfg.spec
+        argv = [sys.executable, "-m", "weightcache.cli", "preload",
+                "--model", spec["model"]["path"],
+                *parallel_args(self.flags),
+                "--exit-with-parent",
+                "--weight-cache-socket-dir", cfg.socket_dir,
+                "--weight-cache-health-host", "127.0.0.1",
+                "--weight-cache-health-port", str(cfg.ports["health"]),
+                "--device", cfg.device_kind]
+        dtype = (spec.get("engineArgs") or {}).get("dtype") or "auto"
+        if dtype not in DTYPES:
+            raise ConfigError(f"runtime native: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        argv += ["--dtype", dtype]
+        rules = spec.get("shardRules")
+        if rules is not None:
+            if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
+                raise ConfigError("spec.shardRules must be a list of 'REGEX=DIM' strings")
+            if not rules:
+                argv.append("--no-shard-rules")
+            for rule in rules:
+                argv += ["--shard-rule", rule]
+        return argv
+
+    def environment(self) -> dict[str, str | None]:
+        if self.cfg.device_kind == "cuda":
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                    "CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in self.cfg.devices)}
+        return {}
+
+    def ranks(self) -> list[RankSpec]:
+        cfg = self.cfg
+        return [
+            RankSpec(role="target", global_rank=p.global_rank, tp_rank=p.tp_rank,
+                     dp_rank=p.dp_rank, local_index=p.local, device=cfg.devices[p.local],
+                     socket_path=str(native_socket_path(cfg.socket_dir, cfg.devices[p.local].uuid)))
+            for p in self.placements
+        ]
+
+    def local_ports(self) -> list[tuple[str, int]]:
+        return [("health", self.cfg.ports["health"])]
+
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.ports['health']}/health"
+
+    def collect_stats(self) -> bool:
+        return True
+
+    def _request(self, path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            protocol.send_frame(sock, {"cmd": cmd})
+            reply, _ = protocol.recv_frame(sock, max_frame=1 << 20)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, reply
+
+    def probe(self, rank: RankSpec, timeout: float) -> Probe:
+        why = socket_is_ours(rank.socket_path, self.cfg.socket_dir)
+        if why:
+            return Probe(ok=False, error=why)
+        try:
+            sock, mem = self._request(rank.socket_path, "get_memory", timeout)
+            sock.close()
+            if not mem.get("ok"):
+                return Probe(ok=False, error=f"get_memory: {mem.get('error')}")
+            sock, stats = self._request(rank.socket_path, "stats", timeout)
+            sock.close()
+        except (OSError, protocol.ProtocolError) as exc:
+            return Probe(ok=False, error=str(exc))
+        nbytes = mem.get("bytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            return Probe(ok=False, error=f"get_memory returned bad bytes {nbytes!r}")
+        return Probe(ok=True, bytes=nbytes, stats=stats if stats.get("ok") else None)
+
+    def watch(self, rank: RankSpec, timeout: float) -> socket.socket | None:
+        if socket_is_ours(rank.socket_path, self.cfg.socket_dir):
+            return None
+        try:
+            sock, reply = self._request(rank.socket_path, "watch", timeout)
+        except (OSError, protocol.ProtocolError):
+            return None
+        if not reply.get("ok"):
+            with contextlib.suppress(OSError):
+                sock.close()
+            return None
+        sock.setblocking(False)
+        return sock

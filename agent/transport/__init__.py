@@ -1,0 +1,93 @@
+"""Transport registry: `get_transport(name)` and `default_transport(device)`.
+
+Transports live in sibling modules that expose a module-level `TRANSPORT` object (or call
+`register`). Modules are imported lazily, so a CPU-only install never imports CUDA bindings;
+a CUDA transport module that cannot import its bindings (no `cuda-python`) raises ImportError
+and is simply not registered.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import (
+    ARENA_ALIGN,
+    Arena,
+    Imported,
+    Transport,
+    TransportError,
+    TransportUnavailableError,
+    align_up,
+)
+
+__all__ = [
+    "ARENA_ALIGN",
+    "Arena",
+    "Imported",
+    "Transport",
+    "TransportError",
+    "TransportUnavailableError",
+    "align_up",
+    "available_transports",
+    "default_transport",
+    "get_transport",
+    "register",
+]
+
+# name -> module path; order is the preference order of `default_transport`.
+_MODULES: dict[str, str] = {
+    "cuda_vmm": "weightcache.agent.transport.cuda_vmm",
+    "cuda_ipc": "weightcache.agent.transport.cuda_ipc",
+    "memfd": "weightcache.agent.transport.memfd",
+}
+_REGISTRY: dict[str, Transport] = {}
+_FAILED: dict[str, str] = {}
+
+
+def register(transport: Transport) -> None:
+    _REGISTRY[transport.name] = transport
+
+
+def _load(name: str) -> Transport | None:
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _FAILED or name not in _MODULES:
+        return None
+    try:
+        module = importlib.import_module(_MODULES[name])
+    except ImportError as exc:
+        _FAILED[name] = str(exc)
+        return None
+    found = getattr(module, "TRANSPORT", None)
+    if found is not None:
+        register(found)
+    return _REGISTRY.get(name)
+
+
+def get_transport(name: str) -> Transport:
+    transport = _load(name)
+    if transport is None:
+        why = _FAILED.get(name, "no such transport")
+        raise TransportUnavailableError(f"transport {name!r} is not available: {why}")
+    return transport
+
+
+def available_transports(device: torch.device | str) -> list[str]:
+    """Names of the transports that can serve `device`, in preference order."""
+    device = torch.device(device)
+    names = list(_MODULES) + [n for n in _REGISTRY if n not in _MODULES]
+    found = []
+    for name in names:
+        transport = _load(name)
+        if transport is not None and transport.available(device):
+            found.append(name)
+    return found
+
+
+def default_transport(device: torch.device | str) -> Transport:
+    names = available_transports(device)
+    if not names:
+        raise TransportUnavailableError(f"no transport can serve device {device}")
+    return get_transport(names[0])

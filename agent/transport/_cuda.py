@@ -1,0 +1,178 @@
+"""Shared helpers of the CUDA transports: driver loading, error checks, tensor views.
+
+The driver bindings (`cuda-python`'s `cuda.bindings.driver`) are imported on first use only,
+so CPU installs import the transport modules without them and simply find them unavailable.
+Tensors over raw device pointers are built through `__cuda_array_interface__`, a public
+protocol torch consumes with `torch.as_tensor`; torch keeps a reference to the exporting
+object for as long as any tensor (or view) uses the memory, which is what keeps a mapping
+alive while an engine still holds its weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import TransportError, TransportUnavailableError
+
+
+@functools.cache
+def driver():
+    """The `cuda.bindings.driver` module (older `cuda-python`: `cuda.cuda`)."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        try:
+            from cuda import cuda as cu  # cuda-python < 12.6 layout
+        except ImportError as exc:
+            raise TransportUnavailableError(
+                "CUDA transports need the driver bindings: pip install 'weightcache[cuda]'"
+            ) from exc
+    return cu
+
+
+def bindings_importable() -> bool:
+    try:
+        driver()
+    except TransportUnavailableError:
+        return False
+    return True
+
+
+def error_name(err: Any) -> str:
+    cu = driver()
+    try:
+        found, name = cu.cuGetErrorName(err)
+        if found == cu.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # naming the error must never hide it
+        pass
+    return str(err)
+
+
+class CudaCallError(TransportError):
+    """A driver call failed; `args[1]` is the CUresult."""
+
+    @property
+    def result(self) -> Any:
+        return self.args[1] if len(self.args) > 1 else None
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def check(result: Any, what: str, error: type[TransportError] = CudaCallError) -> Any:
+    """Unpack a `cuda-python` result tuple, raising `error` on anything but success."""
+    cu = driver()
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise error(f"{what} failed: {error_name(err)}", err)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+_ctx_lock = threading.Lock()
+_primary: dict[int, Any] = {}
+
+
+def device_ordinal(device: torch.device | str | int) -> int:
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise TransportUnavailableError(f"CUDA transports serve CUDA devices, not {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def make_current(ordinal: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    cu = driver()
+    with _ctx_lock:
+        ctx = _primary.get(ordinal)
+        if ctx is None:
+            check(cu.cuInit(0), "cuInit", CudaCallError)
+            dev = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})", CudaCallError)
+            ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain", CudaCallError)
+            _primary[ordinal] = ctx
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", CudaCallError)
+
+
+def cuda_usable(device: torch.device | str) -> bool:
+    """Bindings importable, torch built with CUDA, and the device exists."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    if dev.type != "cuda" or not bindings_importable():
+        return False
+    try:
+        if not torch.cuda.is_available():
+            return False
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return 0 <= index < torch.cuda.device_count()
+    except RuntimeError:
+        return False
+
+
+class DeviceMemory:
+    """Owner of a device address range; `release` runs once, when nothing views it.
+
+    Tensors made by `tensor()` hold a reference to this object through torch's
+    `__cuda_array_interface__` import, so the memory outlives `close()` of the arena or
+    mapping for as long as an engine still holds weights that view it.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, ordinal: int, release: Callable[[], None]) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.ordinal = ordinal
+        self._finalizer = weakref.finalize(self, _run_release, ordinal, release)
+        self._finalizer.atexit = False  # the process exit frees device memory anyway
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def tensor(self) -> torch.Tensor:
+        if self.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.ordinal}")
+        return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+
+# Errors of releases that ran from finalizers (they cannot raise); kept for diagnosis.
+RELEASE_ERRORS: list[str] = []
+
+
+def _run_release(ordinal: int, release: Callable[[], None]) -> None:
+    try:
+        make_current(ordinal)
+        release()
+    except Exception as exc:  # a finalizer must never raise into the garbage collector
+        if len(RELEASE_ERRORS) < 100:
+            RELEASE_ERRORS.append(f"{type(exc).__name__}: {exc}")
+
+
+def synchronize(ordinal: int) -> None:
+    """Wait for outstanding work on the device before memory is unmapped or freed."""
+    cu = driver()
+    make_current(ordinal)
+    check(cu.cuCtxSynchronize(), "cuCtxSynchronize", CudaCallError)

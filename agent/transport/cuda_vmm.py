@@ -1,0 +1,236 @@
+"""CUDA transport through the virtual memory management API and POSIX file descriptors.
+
+Why this is the default on CUDA: the arena is one `cuMemCreate` allocation whose handle is
+exported as a file descriptor and passed over the Unix socket with SCM_RIGHTS. Whoever holds
+the fd can map the memory; nothing else is needed. Legacy CUDA IPC handles, by contrast,
+name the exporting process by PID and go through /dev/shm, so they break between pods with
+separate PID namespaces (equal PIDs) or private /dev/shm. The fd path works across PID, IPC
+and mount namespaces: the only thing two pods must share is the socket directory.
+
+The client imports the handle, reserves an address range, maps it and grants access; the
+tensor is a view through `__cuda_array_interface__`, so no torch internals are involved.
+A mapping stays valid when the daemon exits: the allocation lives while any process maps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from ..gpu import device_uuid
+from . import _cuda
+from .base import Imported, TransportError, TransportUnavailableError
+
+NAME = "cuda_vmm"
+
+
+def _handle_type():
+    return _cuda.driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def _prop(ordinal: int):
+    cu = _cuda.driver()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = _handle_type()
+    return prop
+
+
+def granularity(ordinal: int) -> int:
+    """Allocation granularity (recommended) of the device, in bytes (2 MiB on Hopper)."""
+    cu = _cuda.driver()
+    _cuda.make_current(ordinal)
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(_cuda.check(cu.cuMemGetAllocationGranularity(_prop(ordinal), flag), "granularity"))
+
+
+def _map(handle: Any, size: int, ordinal: int, readonly: bool = False) -> int:
+    """Reserve an address range, map `handle` into it and grant this device access."""
+    cu = _cuda.driver()
+    ptr = _cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+    try:
+        _cuda.check(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        try:
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = ordinal
+            flags = cu.CUmemAccess_flags
+            desc.flags = (
+                flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+                if readonly
+                else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            )
+            _cuda.check(cu.cuMemSetAccess(ptr, size, [desc], 1), "cuMemSetAccess")
+        except BaseException:
+            cu.cuMemUnmap(ptr, size)
+            raise
+    except BaseException:
+        cu.cuMemAddressFree(ptr, size)
+        raise
+    return int(ptr)
+
+
+def _unmap(ptr: int, size: int) -> None:
+    cu = _cuda.driver()
+    _cuda.check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+    _cuda.check(cu.cuMemUnmap(ptr, size), "cuMemUnmap")
+    _cuda.check(cu.cuMemAddressFree(ptr, size), "cuMemAddressFree")
+
+
+class VmmArena:
+    """Daemon side: one `cuMemCreate` allocation, mapped read-write, exportable as an fd."""
+
+    def __init__(self, nbytes: int, ordinal: int) -> None:
+        if nbytes < 0:
+            raise TransportError(f"arena size must be >= 0, got {nbytes}")
+        cu = _cuda.driver()
+        self.nbytes = nbytes
+        self.ordinal = ordinal
+        gran = granularity(ordinal)
+        self.size = max(gran, (nbytes + gran - 1) // gran * gran)
+        self.uuid = device_uuid(ordinal)
+        self._fd: int | None = None
+        try:
+            handle = _cuda.check(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
+        except TransportError as exc:
+            raise TransportError(f"cannot allocate a {self.size}-byte VMM arena: {exc}") from exc
+        self._handle: Any = handle
+        try:
+            ptr = _map(handle, self.size, ordinal)
+        except BaseException:
+            cu.cuMemRelease(handle)
+            raise
+        size = self.size
+        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
+            ptr, nbytes, ordinal, lambda: _unmap(ptr, size)
+        )
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self._memory is None:
+            raise TransportError("arena is closed")
+        if self._tensor is None:
+            self._tensor = self._memory.tensor()
+        return self._tensor
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        if self._memory is None:
+            raise TransportError("arena is closed")
+        if self._fd is None:
+            cu = _cuda.driver()
+            _cuda.make_current(self.ordinal)
+            fd = _cuda.check(
+                cu.cuMemExportToShareableHandle(self._handle, _handle_type(), 0),
+                "cuMemExportToShareableHandle",
+            )
+            self._fd = int(fd)
+            os.set_inheritable(self._fd, False)
+        meta = {
+            "transport": NAME,
+            "nbytes": self.nbytes,
+            "size": self.size,
+            "uuid": self.uuid,
+            "pid": os.getpid(),
+        }
+        return meta, [self._fd]
+
+    def close(self) -> None:
+        """Drop the daemon's hold: the fd, the allocation handle and the mapping.
+
+        The physical memory goes back to the device once no process maps it any more: at
+        once in copy mode (clients cloned and unmapped), or when the last zero-copy engine
+        unmaps. Views still held inside this process keep the local mapping until they go.
+        """
+        if self._memory is None:
+            return
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        cu = _cuda.driver()
+        with contextlib.suppress(TransportError):
+            _cuda.synchronize(self.ordinal)
+        _cuda.check(cu.cuMemRelease(self._handle), "cuMemRelease")
+        self._handle = None
+        self._tensor = None
+        self._memory = None  # unmaps now unless a view in this process still holds it
+
+
+class VmmImported:
+    """Client side: the daemon's allocation mapped into this process."""
+
+    def __init__(self, meta: dict[str, Any], fd: int, ordinal: int, readonly: bool) -> None:
+        cu = _cuda.driver()
+        try:
+            nbytes, size = int(meta["nbytes"]), int(meta["size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            os.close(fd)
+            raise TransportError(f"bad cuda_vmm metadata: {meta!r}") from exc
+        try:
+            _cuda.make_current(ordinal)
+            handle = _cuda.check(
+                cu.cuMemImportFromShareableHandle(fd, _handle_type()),
+                "cuMemImportFromShareableHandle",
+            )
+        finally:
+            os.close(fd)  # the imported handle keeps the allocation alive
+        try:
+            ptr = _map(handle, size, ordinal, readonly=readonly)
+        finally:
+            cu.cuMemRelease(handle)  # the mapping keeps it; freed on unmap
+        self.nbytes = nbytes
+        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
+            ptr, nbytes, ordinal, lambda: _unmap(ptr, size)
+        )
+        self._tensor: torch.Tensor | None = self._memory.tensor()
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise TransportError("mapping is closed")
+        return self._tensor
+
+    def close(self) -> None:
+        # Tensors an engine still holds keep the mapping; it goes with the last of them.
+        self._tensor = None
+        self._memory = None
+
+
+class VmmTransport:
+    name = NAME
+
+    def available(self, device: torch.device) -> bool:
+        return _cuda.cuda_usable(device)
+
+    def allocate(self, nbytes: int, device: torch.device) -> VmmArena:
+        if not self.available(device):
+            raise TransportUnavailableError(f"cuda_vmm cannot serve {device}")
+        return VmmArena(nbytes, _cuda.device_ordinal(device))
+
+    def attach(self, meta: dict[str, Any], fds: list[int], device: torch.device) -> Imported:
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"cuda_vmm expects 1 fd, got {len(fds)}")
+        try:
+            ordinal = _cuda.device_ordinal(device)
+            if not self.available(device):
+                raise TransportUnavailableError(f"cuda_vmm cannot map onto {device}")
+            mine = device_uuid(ordinal)
+            theirs = meta.get("uuid")
+            if theirs and theirs != mine:
+                raise TransportError(
+                    f"the daemon's arena lives on GPU {theirs}, this process uses {mine} "
+                    f"({device}); check CUDA_VISIBLE_DEVICES and the socket's GPU"
+                )
+        except BaseException:
+            os.close(fds[0])
+            raise
+        readonly = os.environ.get("WEIGHTCACHE_VMM_READONLY", "") in {"1", "true"}
+        return VmmImported(meta, fds[0], ordinal, readonly=readonly)
+
+
+TRANSPORT = VmmTransport()

@@ -1,0 +1,122 @@
+"""The two requests the agent sends to vLLM weight cache daemons: `get_memory` and `watch`.
+
+vLLM's daemon socket (vllm/model_executor/model_loader/weight_cache/protocol.py) frames
+every message as an 8-byte big-endian length followed by a pickle. The agent must speak
+that format to read readiness and cached bytes, but it never runs `pickle.loads` on what
+comes back: replies are decoded with `SafeUnpickler`, which refuses every global lookup.
+Pickle can only call code it first imports through `find_class` (GLOBAL, STACK_GLOBAL,
+INST, OBJ and the extension-registry opcodes all go through it), so with that closed a reply
+can only build dicts, lists, tuples, sets, strings, bytes, numbers, booleans and None. A
+daemon reply to these two requests never contains anything else: `get_memory` answers
+`{"status": "ok", "memory_bytes": int}`, `watch` answers `{"status": "ok"}` and then holds
+the connection open until the daemon exits. Replies are also bounded to `MAX_REPLY_BYTES`.
+
+Requests go only to sockets that `socket_is_ours` accepts (our uid, our private directory,
+no symlinks). The request bytes are constant pickles of plain dicts built here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import socket
+import struct
+import time
+from typing import Any
+
+_LEN = struct.Struct("!Q")
+MAX_REPLY_BYTES = 64 * 1024
+SOCKET_NAME = "vllm_weight_cache_{gpu_id}{suffix}.sock"
+# Built once from literals: protocol 4 is what every supported Python can read.
+_REQUESTS = {
+    cmd: pickle.dumps({"cmd": cmd}, protocol=4) for cmd in ("get_memory", "watch")
+}
+
+
+class ProbeError(Exception):
+    """The socket did not give a well-formed answer."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickler that resolves no global name, so it cannot construct or call anything."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing persistent id")
+
+
+def safe_loads(data: bytes) -> Any:
+    return SafeUnpickler(io.BytesIO(data)).load()
+
+
+def socket_path(socket_dir: str, gpu_uuid: str, *, draft: bool = False) -> str:
+    """The path vLLM derives from a GPU UUID (md5 hex of the UUID; `_draft` for drafts)."""
+    try:
+        gpu_id = hashlib.md5(gpu_uuid.encode(), usedforsecurity=False).hexdigest()
+    except ValueError:  # FIPS builds without md5: vLLM's safe_hash falls back to sha256
+        gpu_id = hashlib.sha256(gpu_uuid.encode()).hexdigest()
+    name = SOCKET_NAME.format(gpu_id=gpu_id, suffix="_draft" if draft else "")
+    return os.path.join(socket_dir, name)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ProbeError("timed out waiting for the daemon's reply")
+        sock.settimeout(remaining)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ProbeError("daemon closed the connection mid-reply")
+        buf.extend(chunk)
+    return bytes(buf)
+
+
+def _exchange(path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        payload = _REQUESTS[cmd]
+        sock.sendall(_LEN.pack(len(payload)) + payload)
+        (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+        if length > MAX_REPLY_BYTES:
+            raise ProbeError(f"reply of {length} bytes exceeds the {MAX_REPLY_BYTES} byte bound")
+        try:
+            reply = safe_loads(_recv_exact(sock, length, deadline))
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as exc:
+            raise ProbeError(f"undecodable reply: {exc}") from exc
+        if not isinstance(reply, dict):
+            raise ProbeError(f"reply is a {type(reply).__name__}, not a dict")
+        if reply.get("status") != "ok":
+            raise ProbeError(f"daemon answered {reply.get('status')!r}: {reply.get('message', '')}")
+        return sock, reply
+    except OSError as exc:
+        sock.close()
+        raise ProbeError(f"{cmd} on {path}: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+
+
+def get_memory(path: str, timeout: float = 5.0) -> int:
+    """Bytes the daemon's engines would map (`memory_bytes`)."""
+    sock, reply = _exchange(path, "get_memory", timeout)
+    sock.close()
+    value = reply.get("memory_bytes")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProbeError(f"get_memory returned a bad memory_bytes {value!r}")
+    return value
+
+
+def watch(path: str, timeout: float = 5.0) -> socket.socket:
+    """An open watch connection; it becomes readable (EOF) when the daemon exits."""
+    sock, _ = _exchange(path, "watch", timeout)
+    sock.setblocking(False)
+    return sock

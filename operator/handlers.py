@@ -1,0 +1,524 @@
+"""kopf handlers: one level-based reconciler per WeightCache, fed by node and agent-pod watches.
+
+Shape of the machinery:
+- kopf indexes keep every Node (summarised) and every agent pod in memory; kopf fills them
+  before any other handler runs, so a restarting operator never sees an empty fleet and
+  never re-places a healthy group.
+- each WeightCache gets a kopf daemon that reconciles on start, whenever something relevant
+  changes (spec update, a node's readiness/labels/taints/GPUs, one of its agent pods) and
+  every `resync` seconds; a per-cache lock serialises reconciliations.
+- reconciling = validate -> place -> apply the plan ConfigMap, rendezvous Service and agent
+  DaemonSet -> label agent pods with their node rank -> status, events, node labels.
+- deletion: kopf's finalizer holds the object until the owned objects and node labels are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from weightcache.operator import agentstatus
+from weightcache.operator import nodes as node_labels
+from weightcache.operator import resources as R
+from weightcache.operator import status as S
+from weightcache.operator.kube import ApiError, Kube, login, path
+from weightcache.operator.metrics import OperatorMetrics
+from weightcache.operator.placement import NodeInfo, place, ranks_per_node
+from weightcache.operator.spec import layout, validate, with_defaults
+
+from weightcache import constants as C
+
+registry = kopf.OperatorRegistry()
+EVENT_SOURCE = "weightcache-operator"
+AGENT_LABELS = {C.LABEL_APP: C.AGENT_APP}
+CacheKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """An agent pod as the reconciler needs it."""
+
+    name: str
+    node: str
+    ready: bool
+    epoch: str
+    plan_hash: str
+    restarts: int
+    rank_label: str | None
+    deleting: bool
+    ip: str = ""
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
+        meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+        annotations = meta.get("annotations") or {}
+        return cls(
+            name=meta.get("name", ""),
+            node=spec.get("nodeName") or "",
+            ready=any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or ()
+            ),
+            epoch=str(annotations.get(C.ANN_EPOCH, "")),
+            plan_hash=str(annotations.get(R.ANN_PLAN_HASH, "")),
+            restarts=sum(
+                int(c.get("restartCount", 0)) for c in status.get("containerStatuses") or ()
+            ),
+            rank_label=(meta.get("labels") or {}).get(C.LABEL_NODE_RANK),
+            deleting=bool(meta.get("deletionTimestamp")),
+            ip=status.get("podIP") or "",
+        )
+
+
+@dataclass
+class Options:
+    """Operator-wide options (from `weightcache operator` flags)."""
+
+    agent: R.AgentOptions = field(default_factory=R.AgentOptions)
+    resync_s: float = 30.0
+    debounce_s: float = 0.05
+    # Ask ready agents for bytes cached over gRPC (optional detail; readiness never needs it).
+    agent_status: bool = True
+    agent_status_timeout_s: float = 1.0
+
+
+@dataclass
+class Controller:
+    """Process-wide state shared by all handlers (kopf's global memo holds one)."""
+
+    options: Options = field(default_factory=Options)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    kube: Kube | None = None
+    locks: dict[CacheKey, asyncio.Lock] = field(default_factory=dict)
+    triggers: dict[CacheKey, asyncio.Event] = field(default_factory=dict)
+    statuses: dict[CacheKey, dict[str, Any]] = field(default_factory=dict)
+    ranks: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
+    phases: dict[CacheKey, str] = field(default_factory=dict)
+    node_summaries: dict[str, tuple] = field(default_factory=dict)
+    last_reconcile: float = 0.0
+    reconciles: int = 0
+
+    def poke(self, key: CacheKey | None = None) -> None:
+        """Wake the reconciler of one cache (or all of them)."""
+        targets = self.triggers.values() if key is None else [self.triggers.get(key)]
+        for event in targets:
+            if event is not None:
+                event.set()
+
+    def forget(self, key: CacheKey) -> None:
+        for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks):
+            table.pop(key, None)
+        self.metrics.set_phases(Counter(self.phases.values()))
+
+    # -- reconciliation -----------------------------------------------------------------
+
+    async def reconcile(
+        self,
+        body: Mapping[str, Any],
+        nodes_index: Mapping[str, Any],
+        agents_index: Mapping[CacheKey, Any],
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> str:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            started = time.monotonic()
+            try:
+                phase = await self._reconcile(body, nodes_index, agents_index, logger)
+            except Exception:
+                self.metrics.reconciles.labels(result="error").inc()
+                raise
+            finally:
+                self.metrics.duration.observe(time.monotonic() - started)
+                self.last_reconcile = time.monotonic()
+                self.reconciles += 1
+            self.metrics.reconciles.labels(result="ok").inc()
+            self.phases[key] = phase
+            self.metrics.set_phases(Counter(self.phases.values()))
+            return phase
+
+    async def _reconcile(
+        self,
+        body: Mapping[str, Any],
+        nodes_index: Mapping[str, Any],
+        agents_index: Mapping[CacheKey, Any],
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> str:
+        assert self.kube is not None, "the startup handler connects the client"
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = (namespace, name)
+        generation = meta.get("generation")
+        previous = self.statuses.get(key) or dict(body.get("status") or {})
+        fleet = [info for store in nodes_index.values() for info in store]
+        labels_by_node = {info.name: info.labels for info in fleet}
+
+        spec = with_defaults(dict(body.get("spec") or {}), namespace, name)
+        problems = validate(spec)
+        if problems:
+            # Nothing is created or changed for a spec that cannot be placed: a previous
+            # valid group keeps serving, and no half-built group appears.
+            new = S.invalid(previous, problems, generation)
+            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
+            logger.warning("invalid spec: %s", new["message"])
+            return "Invalid"
+
+        lay = layout(spec)
+        previous_nodes = [
+            n["node"] for n in sorted(previous.get("nodes") or [], key=lambda n: n["rank"])
+        ]
+        result = place(previous_nodes, fleet, spec, lay)
+        if not result.schedulable:
+            new = S.unschedulable(
+                previous,
+                need=lay.nodes,
+                eligible=result.eligible,
+                reasons=result.reasons,
+                generation=generation,
+            )
+            # Keep the previous placement in memory so returning nodes get their ranks back.
+            new["nodes"] = previous.get("nodes") or []
+            new["epoch"] = previous.get("epoch", 0)
+            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
+            return "Unschedulable"
+
+        pods = [pod for pod in (agents_index.get(key) or []) if not pod.deleting]
+        epoch = int(previous.get("epoch") or 0)
+        if not previous_nodes:
+            epoch = max(epoch, 1)
+        elif result.replaced:
+            epoch += 1
+            message = (
+                f"re-placed the group on {', '.join(result.nodes)} (lost "
+                f"{', '.join(result.replaced)}); restarting all members with epoch {epoch}"
+            )
+            await self.event(body, "Warning", "Replaced", message)
+            logger.warning(message)
+        elif self._group_failed(previous, lay.nodes, pods, epoch):
+            epoch += 1
+            message = (
+                f"a member of the {lay.nodes}-node group failed; restarting all with epoch {epoch}"
+            )
+            await self.event(body, "Warning", "GroupRestart", message)
+            logger.warning(message)
+
+        doc = R.plan(body, spec, lay, result.nodes, epoch)
+        digest = R.plan_hash(doc)
+        await self._apply(R.configmap(body, doc), "v1", "configmaps")
+        await self._apply(R.service(body, spec), "v1", "services")
+        await self._apply(
+            R.daemonset(body, spec, doc, result.nodes, self.options.agent), "apps/v1", "daemonsets"
+        )
+        ranks = {node: rank for rank, node in enumerate(result.nodes)}
+        self.ranks[key] = ranks
+        await self._label_pods(namespace, pods, ranks)
+
+        per_node = ranks_per_node(lay)
+        current = {
+            pod.node: pod
+            for pod in pods
+            if pod.epoch == str(epoch) and pod.plan_hash == digest and pod.node in ranks
+        }
+        states = [
+            S.NodeState(
+                node=node,
+                rank=rank,
+                ranks_total=per_node,
+                pod=current[node].name if node in current else "",
+                ready=node in current and current[node].ready,
+                restarts=current[node].restarts if node in current else 0,
+            )
+            for node, rank in ranks.items()
+        ]
+        if self.options.agent_status:
+            addresses = [
+                f"{pod.ip}:{spec['ports']['grpc']}"
+                for pod in current.values()
+                if pod.ready and pod.ip
+            ]
+            cached = (
+                await agentstatus.group_bytes(addresses, self.options.agent_status_timeout_s)
+                if addresses
+                else 0
+            )
+        else:
+            cached = None
+        new = S.observed(
+            previous,
+            nodes=states,
+            pods_seen=sum(1 for pod in pods if pod.node in ranks),
+            epoch=epoch,
+            generation=generation,
+            bytes_cached=cached,
+        )
+        ready_nodes = list(ranks) if new["phase"] == "Ready" else []
+        await self._finish(body, key, previous, new, labels_by_node, ready_nodes=ready_nodes)
+        return new["phase"]
+
+    @staticmethod
+    def _group_failed(
+        previous: Mapping[str, Any], group_size: int, pods: list[PodInfo], epoch: int
+    ) -> bool:
+        """A member of a multi-node group restarted or lost readiness after being ready.
+
+        A daemon group cannot re-form around survivors (the collective rendezvous happens
+        once), so the whole group must restart under a new epoch.
+        """
+        if group_size < 2 or previous.get("epoch") != epoch:
+            return False
+        by_node = {pod.node: pod for pod in pods if pod.epoch == str(epoch)}
+        for entry in previous.get("nodes") or []:
+            if not entry.get("ready"):
+                continue
+            pod = by_node.get(entry["node"])
+            if pod is None or pod.name != entry.get("pod"):
+                return True
+            if pod.restarts > int(entry.get("restarts") or 0) or not pod.ready:
+                return True
+        return False
+
+    async def _apply(self, desired: dict[str, Any], api_version: str, plural: str) -> None:
+        """Create the object, or merge-patch it when it drifted from `desired`."""
+        assert self.kube is not None
+        meta = desired["metadata"]
+        url = path(api_version, plural, meta["namespace"], meta["name"])
+        actual = await self.kube.get(url)
+        if actual is None:
+            try:
+                await self.kube.create(path(api_version, plural, meta["namespace"]), desired)
+                return
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                actual = await self.kube.get(url) or {}
+        wanted = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
+        if not R.contains(actual, wanted):
+            await self.kube.patch(url, wanted)
+
+    async def _label_pods(self, namespace: str, pods: list[PodInfo], ranks: Mapping[str, int]):
+        """Give each agent pod its node-rank label (the rendezvous Service selects rank 0)."""
+        assert self.kube is not None
+        for pod in pods:
+            want = str(ranks[pod.node]) if pod.node in ranks else None
+            if pod.rank_label == want:
+                continue
+            try:
+                await self.kube.patch(
+                    path("v1", "pods", namespace, pod.name),
+                    {"metadata": {"labels": {C.LABEL_NODE_RANK: want}}},
+                )
+            except ApiError as exc:
+                # Status must still be reported; without the label only the rendezvous
+                # Service lacks its endpoint (RBAC: the operator needs `patch` on pods).
+                logging.getLogger(__name__).warning(
+                    "cannot label pod %s/%s with its node rank: %s", namespace, pod.name, exc
+                )
+
+    async def _finish(
+        self,
+        body: Mapping[str, Any],
+        key: CacheKey,
+        previous: Mapping[str, Any],
+        new: dict[str, Any],
+        labels_by_node: Mapping[str, Mapping[str, str]],
+        ready_nodes: Any,
+    ) -> None:
+        assert self.kube is not None
+        namespace, name = key
+        await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes)
+        if not S.same(previous, new):
+            await self.kube.patch(
+                path(C.API_VERSION, C.PLURAL, namespace, name, "status"), {"status": new}
+            )
+            event = S.transition_event(previous, new)
+            if event:
+                await self.event(body, *event)
+        self.statuses[key] = new
+
+    async def event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """Post a core/v1 Event about the cache (best effort: a lost event is only logged)."""
+        assert self.kube is not None
+        meta = body["metadata"]
+        stamp = S.now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                # Unique names instead of generateName: one POST, nothing to read back.
+                "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                "namespace": meta["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": C.API_VERSION,
+                "kind": C.KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid", ""),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": EVENT_SOURCE},
+            "reportingComponent": EVENT_SOURCE,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            await self.kube.create(path("v1", "events", meta["namespace"]), event)
+        except (TimeoutError, ApiError, OSError) as exc:
+            logging.getLogger(__name__).warning("event %s not posted: %s", reason, exc)
+
+    async def cleanup(self, body: Mapping[str, Any], nodes_index: Mapping[str, Any]) -> None:
+        """Delete owned objects (ownerReferences would too, but not before the finalizer
+        goes) and remove the node labels."""
+        assert self.kube is not None
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        await self.kube.delete(
+            path("apps/v1", "daemonsets", namespace, C.agent_daemonset_name(name))
+        )
+        await self.kube.delete(path("v1", "services", namespace, C.rendezvous_service_name(name)))
+        await self.kube.delete(
+            path("v1", "configmaps", namespace, C.placement_configmap_name(name))
+        )
+        labels_by_node = {
+            info.name: info.labels for store in nodes_index.values() for info in store
+        }
+        await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ())
+        self.forget((namespace, name))
+
+
+def controller(memo: Any) -> Controller:
+    return memo["controller"]
+
+
+# -- kopf wiring ------------------------------------------------------------------------
+
+
+@kopf.on.login(registry=registry)
+def _login(**_: Any) -> kopf.ConnectionInfo:
+    """Service account in a pod, else KUBECONFIG, read now (not when kopf was imported)."""
+    return login()
+
+
+@kopf.on.startup(registry=registry)
+async def _startup(memo: Any, **_: Any) -> None:
+    ctl = controller(memo)
+    if ctl.kube is None:
+        ctl.kube = Kube.connect()
+
+
+@kopf.on.cleanup(registry=registry)
+async def _cleanup(memo: Any, **_: Any) -> None:
+    ctl = controller(memo)
+    if ctl.kube is not None:
+        await ctl.kube.close()
+        ctl.kube = None
+
+
+@kopf.index("v1", "nodes", registry=registry)
+def nodes_index(name: str, body: Mapping[str, Any], **_: Any) -> dict[str, NodeInfo]:
+    return {name: NodeInfo.from_node(body)}
+
+
+@kopf.index("v1", "pods", labels=AGENT_LABELS, registry=registry)
+def agents_index(
+    namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any
+) -> dict[CacheKey, PodInfo] | None:
+    cache = labels.get(C.LABEL_CACHE)
+    if not cache:
+        return None
+    return {(namespace, cache): PodInfo.from_pod(body)}
+
+
+@kopf.on.event("v1", "nodes", registry=registry)
+def _node_event(type: str, name: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+    ctl = controller(memo)
+    summary = None if type == "DELETED" else NodeInfo.from_node(body).summary()
+    if ctl.node_summaries.get(name) != summary:
+        if summary is None:
+            ctl.node_summaries.pop(name, None)
+        else:
+            ctl.node_summaries[name] = summary
+        ctl.poke()
+        ctl.metrics.nodes.set(len(ctl.node_summaries))
+
+
+@kopf.on.event("v1", "pods", labels=AGENT_LABELS, registry=registry)
+def _pod_event(namespace: str, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+    cache = labels.get(C.LABEL_CACHE)
+    if cache:
+        controller(memo).poke((namespace, cache))
+
+
+@kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec", registry=registry)
+def _spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
+    controller(memo).poke((namespace, name))
+
+
+@kopf.daemon(C.GROUP, C.VERSION, C.PLURAL, registry=registry, cancellation_timeout=10)
+async def _reconciler(
+    stopped: Any,
+    body: Mapping[str, Any],
+    namespace: str,
+    name: str,
+    memo: Any,
+    nodes_index: Any,
+    agents_index: Any,
+    logger: Any,
+    **_: Any,
+) -> None:
+    ctl = controller(memo)
+    key = (namespace, name)
+    trigger = ctl.triggers.setdefault(key, asyncio.Event())
+    failures = 0
+    while not stopped:
+        trigger.clear()
+        try:
+            await ctl.reconcile(body, nodes_index, agents_index, logger)
+            failures = 0
+        except Exception as exc:  # keep the loop alive; the error is counted and logged
+            failures += 1
+            logger.exception("reconciliation failed (attempt %d): %s", failures, exc)
+        timeout = ctl.options.resync_s if not failures else min(2.0**failures, ctl.options.resync_s)
+        wakeup = asyncio.ensure_future(trigger.wait())
+        stop = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({wakeup, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wakeup.cancel()
+            stop.cancel()
+        # Let a burst of watch events settle into one reconciliation.
+        await asyncio.sleep(ctl.options.debounce_s)
+
+
+@kopf.on.delete(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
+async def _deleted(
+    body: Mapping[str, Any], memo: Any, nodes_index: Any, logger: Any, **_: Any
+) -> None:
+    await controller(memo).cleanup(body, nodes_index)
+    logger.info("owned objects and node labels removed")
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Settings every run of this operator uses (main.py adds peering and logging)."""
+    # Handler progress lives in annotations; status belongs to the reconciler alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=C.GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{C.GROUP}/finalizer"
+    # Only our own events (kopf.event) and real warnings reach the API.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    # Only agent pods, filtered by the API server: a cluster's other pods never reach us.
+    settings.watching.label_selectors["v1", "pods"] = f"{C.LABEL_APP}={C.AGENT_APP}"

@@ -1,0 +1,410 @@
+"""Builders of the objects a WeightCache owns: plan ConfigMap, rendezvous Service, agent DaemonSet.
+
+Pure functions from (cache, defaulted spec, placement) to manifests, so their shape is
+tested without an API server and the reconciler only compares and applies.
+
+Node ranks on pods: a DaemonSet has one pod template, so every agent pod gets the same
+labels. The operator therefore labels each agent pod with `weightcache.io/node-rank` after
+the pod appears (it knows the pod's node from `spec.nodeName` and the rank from the plan);
+the rendezvous Service selects the pod labelled `0`. The agent itself never needs the
+label: it reads its rank from the mounted plan by node name, so a label that lags behind
+only delays the Service's endpoint, never the daemons' layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightcache.operator.placement import data_start_rank, needs_gpus, node_slots
+from weightcache.operator.spec import Layout
+
+from weightcache import __version__
+from weightcache import constants as C
+
+ANN_PLAN_HASH = f"{C.GROUP}/plan-hash"
+AGENT_CONTAINER = "agent"
+PLAN_MOUNT_DIR = "/etc/weightcache"
+AGENT_LIB_DIR = "/opt/weightcache"
+DEFAULT_AGENT_IMAGE = f"weightcache/agent:{__version__}"
+GPU_RESOURCE_PREFIXES = ("nvidia.com/", "amd.com/")
+# Copies the agent's Python packages out of the agent image into a shared volume, so that
+# runtime `vllm` runs the agent inside the engines' own vLLM image (the agent image's Python
+# minor version must match the vLLM image's, since grpc has a compiled extension).
+COPY_AGENT_SCRIPT = (
+    "import importlib, os, shutil, sys\n"
+    "dst = sys.argv[1]\n"
+    "for name in ('weightcache', 'msgpack', 'grpc', 'grpc_health', 'google.protobuf',\n"
+    "             'prometheus_client'):\n"
+    "    try:\n"
+    "        mod = importlib.import_module(name)\n"
+    "    except ImportError:\n"
+    "        continue\n"
+    "    src = os.path.dirname(mod.__file__)\n"
+    "    shutil.copytree(src, os.path.join(dst, *name.split('.')), dirs_exist_ok=True)\n"
+)
+# Starts the agent with the copied packages *after* the image's own on sys.path: the vLLM
+# image's versions win, the copies only fill gaps, and `vllm preload` (a child process)
+# never sees them because no PYTHONPATH is set.
+AGENT_BOOT_VLLM = (
+    f"import sys; sys.path.append({AGENT_LIB_DIR!r}); "
+    "from weightcache.cli import main; sys.exit(main(['agent']))"
+)
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Operator-wide settings of agent pods (command-line options of `weightcache operator`)."""
+
+    image: str = DEFAULT_AGENT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    runtime_class: str | None = None
+    service_account: str | None = None
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels of every owned object and of the agent pod template (never the node rank)."""
+    return {C.LABEL_APP: C.AGENT_APP, C.LABEL_INSTANCE: name, C.LABEL_CACHE: name}
+
+
+def owner_reference(cache: Mapping[str, Any]) -> dict[str, Any]:
+    meta = cache["metadata"]
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "name": meta["name"],
+        "uid": meta.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(cache: Mapping[str, Any], name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": cache["metadata"]["namespace"],
+        "labels": labels(cache["metadata"]["name"]),
+        "ownerReferences": [owner_reference(cache)],
+    }
+
+
+def master_addr(namespace: str, name: str) -> str:
+    return f"{C.rendezvous_service_name(name)}.{namespace}.svc"
+
+
+def plan(
+    cache: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    layout: Layout,
+    nodes: Sequence[str],
+    epoch: int,
+) -> dict[str, Any]:
+    """plan.json (docs/interfaces.md): everything an agent needs, so agents need no API access.
+
+    Replicas that fill a node are expressed the way vLLM places data parallelism: `data`
+    counts them, so every GPU's rank follows the global layout `node_rank * local + i`.
+    """
+    meta = cache["metadata"]
+    replicas = layout.replicas_per_node
+    plan_layout = {
+        "tensor": layout.tensor,
+        "data": layout.data * replicas,
+        "dataLocal": layout.data_local * replicas,
+        "expert": layout.expert,
+        "worldSize": layout.world_size * replicas,
+        "perNodeWorld": layout.per_node_world * replicas,
+        "replicasPerNode": replicas,
+    }
+    return {
+        "cache": meta["name"],
+        "namespace": meta["namespace"],
+        "uid": meta.get("uid", ""),
+        "epoch": epoch,
+        "runtime": spec["runtime"],
+        "masterAddr": master_addr(meta["namespace"], meta["name"]),
+        "nodeCount": layout.nodes,
+        "gpusPerNode": layout.gpus_per_node,
+        "nodes": [
+            {
+                "node": node,
+                "rank": rank,
+                "dataStartRank": data_start_rank(layout, rank),
+                "slots": [slot.as_plan() for slot in node_slots(layout, rank)],
+            }
+            for rank, node in enumerate(nodes)
+        ],
+        "layout": plan_layout,
+        "spec": dict(spec),
+    }
+
+
+def plan_json(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def plan_hash(doc: Mapping[str, Any]) -> str:
+    return hashlib.sha256(plan_json(doc).encode()).hexdigest()[:16]
+
+
+def configmap(cache: Mapping[str, Any], doc: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(cache, C.placement_configmap_name(cache["metadata"]["name"])),
+        "data": {C.PLAN_KEY: plan_json(doc)},
+    }
+
+
+def service(cache: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Headless Service whose DNS name resolves to the node-rank-0 agent pod (the master)."""
+    name = cache["metadata"]["name"]
+    ports = spec["ports"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(cache, C.rendezvous_service_name(name)),
+        "spec": {
+            "clusterIP": "None",
+            # The daemons rendezvous while they load, long before any pod is Ready.
+            "publishNotReadyAddresses": True,
+            "selector": {**labels(name), C.LABEL_NODE_RANK: "0"},
+            "ports": [
+                {"name": "rendezvous", "port": ports["rendezvous"], "protocol": "TCP"},
+                {"name": "draft", "port": ports["draftRendezvous"], "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _pinned_affinity(user: Mapping[str, Any] | None, nodes: Sequence[str]) -> dict[str, Any]:
+    """The user's affinity with every required node term narrowed to exactly `nodes`."""
+    affinity = json.loads(json.dumps(user or {}))
+    node_aff = affinity.setdefault("nodeAffinity", {})
+    required = node_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    pin = {"key": "metadata.name", "operator": "In", "values": sorted(nodes)}
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        fields = [f for f in term.get("matchFields") or [] if f.get("key") != "metadata.name"]
+        term["matchFields"] = [*fields, pin]
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+def _agent_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The user's resources without GPU requests: the device plugin would hand them out once."""
+    out: dict[str, Any] = {}
+    for kind in ("requests", "limits"):
+        values = {
+            key: value
+            for key, value in ((resources or {}).get(kind) or {}).items()
+            if not key.startswith(GPU_RESOURCE_PREFIXES)
+        }
+        if values:
+            out[kind] = values
+    return out
+
+
+def _env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    env = [
+        {"name": C.ENV_CACHE_NAME, "value": name},
+        {"name": C.ENV_NAMESPACE, "valueFrom": field("metadata.namespace")},
+        {"name": C.ENV_NODE_NAME, "valueFrom": field("spec.nodeName")},
+        {"name": C.ENV_POD_IP, "valueFrom": field("status.podIP")},
+        {"name": C.ENV_POD_NAME, "valueFrom": field("metadata.name")},
+        {"name": C.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{C.PLAN_KEY}"},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if needs_gpus(spec):
+        # No GPU requests: the agent sees every GPU of the node and pins one rank per GPU.
+        env += [
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
+        ]
+    return env
+
+
+def daemonset(
+    cache: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    doc: Mapping[str, Any],
+    nodes: Sequence[str],
+    options: AgentOptions,
+) -> dict[str, Any]:
+    """The agent DaemonSet, pinned to exactly the placed nodes.
+
+    Template annotations carry the group epoch and the plan hash: bumping either one
+    restarts every agent pod together (maxUnavailable 100%), since a multi-node daemon
+    group cannot re-form around survivors.
+    """
+    name = cache["metadata"]["name"]
+    vllm = spec["runtime"] == "vllm"
+    ports, run_as = spec["ports"], spec["runAs"]
+    socket_dir = spec["socketDir"]
+    model = spec["model"]
+    placement = spec.get("placement") or {}
+    image = spec["image"] if vllm or spec.get("image") else options.image
+    volumes: list[dict[str, Any]] = [
+        {"name": "sockets", "hostPath": {"path": socket_dir, "type": "DirectoryOrCreate"}},
+        {
+            "name": "plan",
+            "configMap": {
+                "name": C.placement_configmap_name(name),
+                "items": [{"key": C.PLAN_KEY, "path": C.PLAN_KEY}],
+            },
+        },
+        {"name": "model", **{k: v for k, v in model["volume"].items() if k != "name"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts = [
+        {"name": "sockets", "mountPath": socket_dir},
+        {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True},
+        {"name": "model", "mountPath": model["mountPath"], "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    restricted = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    init_containers = [
+        {
+            # hostPath directories are created root-owned; the daemons (and engines) run as
+            # runAs.uid and the daemons demand a private 0700 directory.
+            "name": "socket-dir",
+            "image": options.image,
+            "imagePullPolicy": options.image_pull_policy,
+            "command": [
+                "sh",
+                "-c",
+                f'chown {run_as["uid"]}:{run_as["gid"]} "$0" && chmod 0700 "$0"',
+                socket_dir,
+            ],
+            "securityContext": {
+                "runAsUser": 0,
+                "runAsNonRoot": False,
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            },
+            "volumeMounts": [{"name": "sockets", "mountPath": socket_dir}],
+        }
+    ]
+    if vllm:
+        volumes.append({"name": "agent-lib", "emptyDir": {}})
+        mounts.append({"name": "agent-lib", "mountPath": AGENT_LIB_DIR, "readOnly": True})
+        init_containers.append(
+            {
+                "name": "agent-lib",
+                "image": options.image,
+                "imagePullPolicy": options.image_pull_policy,
+                "command": ["python3", "-c", COPY_AGENT_SCRIPT, AGENT_LIB_DIR],
+                "securityContext": restricted,
+                "volumeMounts": [{"name": "agent-lib", "mountPath": AGENT_LIB_DIR}],
+            }
+        )
+    container = {
+        "name": AGENT_CONTAINER,
+        "image": image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["python3", "-c", AGENT_BOOT_VLLM]
+        if vllm
+        else ["python3", "-m", "weightcache.cli", "agent"],
+        "env": _env(name, spec),
+        "ports": [
+            {"name": "grpc", "containerPort": ports["grpc"], "protocol": "TCP"},
+            {"name": "metrics", "containerPort": ports["metrics"], "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": ports["rendezvous"], "protocol": "TCP"},
+            {"name": "draft", "containerPort": ports["draftRendezvous"], "protocol": "TCP"},
+        ],
+        # The agent's gRPC health service: "readiness" is SERVING once every local rank
+        # answers on its socket, "liveness" while its supervisor runs. Loading a large
+        # checkpoint takes minutes, so liveness never waits on the load.
+        "readinessProbe": {
+            "grpc": {"port": ports["grpc"], "service": "readiness"},
+            "periodSeconds": 5,
+        },
+        "livenessProbe": {
+            "grpc": {"port": ports["grpc"], "service": "liveness"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 20,
+            "failureThreshold": 6,
+        },
+        "resources": _agent_resources(spec.get("resources")),
+        "securityContext": restricted,
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        # Stock vLLM IPC needs the exporter in the host PID namespace and the host's /dev/shm;
+        # the native runtime passes VMM/memfd descriptors over the socket and needs neither.
+        "hostPID": vllm,
+        "hostIPC": vllm,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsUser": run_as["uid"],
+            "runAsGroup": run_as["gid"],
+            "runAsNonRoot": run_as["uid"] != 0,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": init_containers,
+        "containers": [container],
+        "volumes": volumes,
+        "affinity": _pinned_affinity(placement.get("affinity"), nodes),
+        "tolerations": list(placement.get("tolerations") or []),
+    }
+    if placement.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(placement["nodeSelector"])
+    if placement.get("priorityClassName"):
+        pod_spec["priorityClassName"] = placement["priorityClassName"]
+    if options.runtime_class and needs_gpus(spec):
+        pod_spec["runtimeClassName"] = options.runtime_class
+    if options.service_account:
+        pod_spec["serviceAccountName"] = options.service_account
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _metadata(cache, C.agent_daemonset_name(name)),
+        "spec": {
+            "selector": {"matchLabels": labels(name)},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": "100%"},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {
+                        C.ANN_EPOCH: str(doc["epoch"]),
+                        ANN_PLAN_HASH: plan_hash(doc),
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def contains(actual: Any, desired: Any) -> bool:
+    """Whether `actual` holds everything `desired` says (the server may add defaults).
+
+    Dicts compare key by key recursively; lists must have the same length and match element
+    by element, so a removed or reordered item counts as drift.
+    """
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and contains(actual[key], value) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(desired)
+            and all(contains(a, d) for a, d in zip(actual, desired, strict=True))
+        )
+    return actual == desired

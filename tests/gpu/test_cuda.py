@@ -1,0 +1,203 @@
+"""CUDA transports, the cold loader and the daemon on a real GPU (marked `gpu`).
+
+Memory is checked with device and per-process queries (cudaMemGetInfo, NVML), not logs.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+from weightcache.agent import coldload, gpu
+from weightcache.agent.checkpoint import open_checkpoint
+from weightcache.agent.loader import load_into_arena, plan_layout
+from weightcache.agent.sharding import parse_rules
+from weightcache.agent.transport import TransportError, _cuda, get_transport
+
+from .conftest import PROBE, run_probe
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+DEV = torch.device("cuda", 0)
+
+
+def free_bytes() -> int:
+    # Blocks torch's caching allocator keeps (e.g. temporaries of torch.equal) count as used.
+    torch.cuda.synchronize(DEV)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(DEV)[0]
+
+
+def process_gpu_bytes(pid: int) -> int | None:
+    """GPU memory NVML attributes to `pid` (host PID namespace), None when NVML cannot say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except pynvml.NVMLError:
+        return None
+    return sum((p.usedGpuMemory or 0) for p in procs if p.pid == pid)
+
+
+def test_device_uuid_and_visible_devices_remap():
+    uuid = gpu.device_uuid(0)
+    assert uuid == gpu.normalize_uuid(uuid)
+    assert gpu.resolve_device(uuid) == 0 and gpu.resolve_device(uuid[:12]) == 0
+    code = "from weightcache.agent import gpu; print(gpu.device_uuid(0))"
+    for visible in (uuid, uuid[:12], os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        assert out.stdout.strip() == uuid
+
+
+def test_vmm_arena_maps_twice_without_new_memory_and_frees():
+    transport = get_transport("cuda_vmm")
+    nbytes = 1024 * MiB
+    pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEV)
+    free0 = free_bytes()
+    arena = transport.allocate(nbytes, DEV)
+    free1 = free_bytes()
+    assert free0 - free1 >= nbytes
+    arena.tensor().copy_(pattern)
+    meta, fds = arena.export()
+    assert meta["transport"] == "cuda_vmm" and meta["size"] % (2 * MiB) == 0
+    imported = transport.attach(meta, [os.dup(fds[0])], DEV)
+    free2 = free_bytes()
+    assert abs(free1 - free2) < 64 * MiB  # a second mapping adds no memory
+    view = imported.tensor()
+    assert torch.equal(view, pattern)
+    arena.tensor()[:16].fill_(7)  # zero copy: both map the same bytes
+    torch.cuda.synchronize(DEV)
+    assert int(view[:16].sum()) == 7 * 16
+    arena_memory = weakref.ref(arena._memory)
+    imported_memory = weakref.ref(imported._memory)
+    arena.close()
+    imported.close()
+    assert free_bytes() < free0 - nbytes // 2  # the view still holds the memory
+    assert arena_memory() is None and imported_memory() is not None
+    del view
+    gc.collect()
+    state = {"imported_alive": imported_memory() is not None,
+             "release_errors": list(_cuda.RELEASE_ERRORS), "free0": free0,
+             "free_now": free_bytes()}
+    print("vmm in-process free check", json.dumps(state), flush=True)
+    assert free_bytes() >= free0 - 256 * MiB, state  # arena (1 GiB) back; lazy modules stay
+
+
+def test_vmm_refuses_another_gpus_arena():
+    transport = get_transport("cuda_vmm")
+    arena = transport.allocate(4 * MiB, DEV)
+    try:
+        meta, fds = arena.export()
+        meta = {**meta, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}
+        with pytest.raises(TransportError, match="lives on GPU"):
+            transport.attach(meta, [os.dup(fds[0])], DEV)
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("preflight", ["1", "0"])
+def test_legacy_ipc_in_one_process_fails_cleanly(monkeypatch, preflight):
+    from weightcache.agent.transport.cuda_ipc import IpcIsolationError
+
+    monkeypatch.setenv("WEIGHTCACHE_IPC_PREFLIGHT", preflight)
+    transport = get_transport("cuda_ipc")
+    arena = transport.allocate(4 * MiB, DEV)
+    try:
+        meta, fds = arena.export()
+        assert fds == [] and len(bytes.fromhex(meta["handle"])) == 64
+        with pytest.raises(IpcIsolationError, match="legacy CUDA IPC cannot attach"):
+            transport.attach(meta, [], DEV)
+    finally:
+        arena.close()
+    torch.empty(1, device=DEV).add_(1)  # the context is still healthy
+    torch.cuda.synchronize(DEV)
+
+
+@pytest.mark.parametrize(("tp", "dtype", "direct"), [(1, "auto", False), (2, "float16", True)])
+def test_coldload_into_cuda_matches_reference(small_model, tp, dtype, direct):
+    ckpt = open_checkpoint(small_model)
+    for rank in range(tp):
+        layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=tp, tp_rank=rank, dtype=dtype)
+        want = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        load_into_arena(layout, want)
+        got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
+        stats = coldload.load_entries(list(layout.entries), got, threads=4, chunk=MiB,
+                                      direct=direct)
+        assert stats.nbytes == sum(e.nbytes for e in layout.entries)
+        got = got.cpu()
+        for e in layout.entries:
+            assert torch.equal(got[e.offset : e.offset + e.nbytes],
+                               want[e.offset : e.offset + e.nbytes]), e.name
+
+
+@pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transport, mode):
+    daemon = daemon_factory(medium_model, transport)
+    nbytes = daemon.info["bytes"]
+    held0 = process_gpu_bytes(daemon.proc.pid)
+    code, report = run_probe(medium_model, daemon.socket, mode)
+    assert code == 0, report
+    assert report["source"] == "cache" and report["verified"] is True
+    if mode == "zero_copy":
+        # Mapping the daemon's arena adds no weight memory on the device.
+        assert report["free_delta"] < nbytes // 4, report
+    else:
+        # Copy mode: the daemon released its arena once the client had cloned it.
+        from weightcache.agent.client import query
+
+        assert query(daemon.socket, "get_memory")["bytes"] == 0
+        held1 = process_gpu_bytes(daemon.proc.pid)
+        if held0 is not None and held1 is not None:
+            print("daemon GPU bytes before/after release", held0, held1)
+            assert held0 - held1 >= nbytes * 0.9
+
+
+def test_release_and_exit_give_memory_back(daemon_factory, medium_model):
+    from weightcache.agent.client import query
+
+    torch.empty(1, device=DEV)
+    base = free_bytes()
+    daemon = daemon_factory(medium_model, "cuda_vmm")
+    nbytes = daemon.info["bytes"]
+    loaded = free_bytes()
+    assert base - loaded >= nbytes
+    reply = query(daemon.socket, "release")
+    assert reply["ok"] and reply["released"] == nbytes
+    time.sleep(0.5)
+    released = free_bytes()
+    print("free bytes: base", base, "loaded", loaded, "released", released)
+    assert released - loaded >= nbytes * 0.9
+    assert daemon.stop() == 0
+    time.sleep(0.5)
+    assert free_bytes() >= base - 64 * MiB  # the daemon's context is gone too
+
+
+@pytest.mark.parametrize("transport", ["cuda_vmm"])
+def test_zero_copy_engine_outlives_its_daemon(daemon_factory, medium_model, transport):
+    daemon = daemon_factory(medium_model, transport)
+    cmd = [sys.executable, PROBE, "--model", str(medium_model), "--socket", daemon.socket,
+           "--outlive-daemon"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    assert first == {"watching": True}
+    assert daemon.stop() == 0
+    report = json.loads(proc.stdout.readline())
+    assert proc.wait(timeout=120) == 0, report
+    print("outlive", json.dumps(report))
+    assert report["daemon_gone_seen"] is True
+    assert report["verified_after_daemon_exit"] is True

@@ -1,0 +1,218 @@
+"""CPU coverage of the CUDA side of the transport seam: runs everywhere, needs no GPU.
+
+GPU identity parsing, the registry's behaviour with CUDA transports present but unusable,
+the legacy-IPC preflight errors, lazy imports without cuda-python, and the cold loader's
+planning and copying (its CPU path runs the same job plan as the CUDA one).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from weightcache.agent import coldload, gpu
+from weightcache.agent.checkpoint import open_checkpoint
+from weightcache.agent.loader import load_into_arena, plan_layout
+from weightcache.agent.sharding import parse_rules
+from weightcache.agent.transport import (
+    TransportError,
+    TransportUnavailableError,
+    available_transports,
+    default_transport,
+    get_transport,
+)
+
+UUID = "GPU-4f1e2a3b-1c2d-3e4f-5a6b-7c8d9e0f1a2b"
+
+
+def test_normalize_uuid_forms():
+    assert gpu.normalize_uuid("GPU-" + UUID[4:].upper()) == UUID
+    assert gpu.normalize_uuid(UUID[4:]) == UUID
+    assert gpu.normalize_uuid(UUID[4:].replace("-", "")) == UUID
+    assert gpu.uuid_from_bytes(bytes.fromhex(UUID[4:].replace("-", ""))) == UUID
+    with pytest.raises(gpu.GpuError):
+        gpu.normalize_uuid("GPU-nothex")
+    with pytest.raises(gpu.GpuError):
+        gpu.uuid_from_bytes(b"\x00" * 15)
+
+
+def test_visible_devices_parsing_follows_the_runtime():
+    assert gpu.parse_visible_devices(None) is None
+    assert gpu.parse_visible_devices("") == []
+    entries = gpu.parse_visible_devices("3, 1")
+    assert [e.index for e in entries] == [3, 1]
+    # Parsing stops at the first invalid entry, like the CUDA runtime.
+    assert [e.raw for e in gpu.parse_visible_devices("2,bogus,0")] == ["2"]
+    mixed = gpu.parse_visible_devices(f"{UUID[:12]},1,MIG-abc")
+    assert mixed[0].uuid == UUID[:12] and mixed[0].index is None
+    assert mixed[1].index == 1 and mixed[2].uuid == "MIG-abc"
+    assert gpu.match_uuid(mixed[0], UUID)
+    assert not gpu.match_uuid(mixed[1], UUID)
+
+
+def test_physical_selector_remaps_indices_and_uuids():
+    assert gpu.physical_selector(2, {}) == "2"
+    env = {"CUDA_VISIBLE_DEVICES": f"5,{UUID}"}
+    assert gpu.physical_selector(0, env) == "5"
+    assert gpu.physical_selector(1, env) == UUID
+    with pytest.raises(gpu.GpuError):
+        gpu.physical_selector(2, env)
+    assert gpu.resolve_device("cuda:3") == 3 and gpu.resolve_device("1") == 1
+    assert gpu.socket_key("GPU-" + UUID[4:].upper()) == UUID
+
+
+def test_cuda_transports_registered_but_unavailable_on_cpu():
+    cpu = torch.device("cpu")
+    assert default_transport(cpu).name == "memfd"
+    assert "cuda_vmm" not in available_transports(cpu)
+    for name in ("cuda_vmm", "cuda_ipc"):
+        try:
+            transport = get_transport(name)
+        except TransportUnavailableError:
+            continue  # an install without the module at all is fine too
+        assert transport.name == name
+        assert transport.available(cpu) is False
+        if not torch.cuda.is_available():
+            assert transport.available(torch.device("cuda", 0)) is False
+        with pytest.raises(TransportUnavailableError):
+            transport.allocate(1 << 20, cpu)
+
+
+@pytest.mark.parametrize("name", ["cuda_vmm", "cuda_ipc"])
+def test_attach_never_leaks_fds_it_was_given(name):
+    transport = get_transport(name)
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(TransportError):
+        transport.attach({"transport": name, "nbytes": 1}, [r], torch.device("cpu"))
+    with pytest.raises(OSError):
+        os.fstat(r)
+
+
+def test_ipc_preflight_names_the_isolation_problem(monkeypatch):
+    from weightcache.agent.transport import cuda_ipc
+
+    with pytest.raises(cuda_ipc.IpcIsolationError, match=r"PID .* equals .*cuda_vmm"):
+        cuda_ipc.preflight({"pid": os.getpid()})
+    cuda_ipc.preflight({"pid": os.getpid() + 1})
+    monkeypatch.setenv(cuda_ipc.ENV_PREFLIGHT, "0")
+    cuda_ipc.preflight({"pid": os.getpid()})
+
+
+def test_ipc_handle_round_trips_through_hex():
+    pytest.importorskip("cuda.bindings.driver")
+    from weightcache.agent.transport import cuda_ipc
+
+    raw = bytes(range(64))
+    handle = cuda_ipc._handle_from(raw)
+    assert cuda_ipc._handle_bytes(handle) == raw
+    with pytest.raises(TransportError):
+        cuda_ipc._handle_from(b"short")
+
+
+def test_transport_modules_import_without_cuda_python():
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "cuda" or name.startswith("cuda."):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        import torch
+        from weightcache.agent.transport import cuda_vmm, cuda_ipc, _cuda, default_transport
+        assert not _cuda.bindings_importable()
+        assert not cuda_vmm.TRANSPORT.available(torch.device("cuda", 0))
+        assert not cuda_ipc.TRANSPORT.available(torch.device("cuda", 0))
+        assert default_transport("cpu").name == "memfd"
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def _checkpoint(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    shard1 = {
+        "model.embed_tokens.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 48, generator=gen),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(48, 32, generator=gen).half(),
+        "model.layers.0.input_layernorm.weight": torch.randn(48, generator=gen),
+    }
+    shard2 = {
+        "model.layers.0.mlp.down_proj.weight": torch.randn(48, 96, generator=gen).to(
+            torch.bfloat16
+        ),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(96, 48, generator=gen).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(48, generator=gen),
+        "step": torch.tensor([3, 1, 4], dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+    }
+    save_file(shard1, tmp_path / "model-00001-of-00002.safetensors")
+    save_file(shard2, tmp_path / "model-00002-of-00002.safetensors")
+    return open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("tp", "dtype", "chunk", "threads", "direct"),
+    [
+        (1, "auto", 4096, 3, False),
+        (2, "auto", 4096, 2, True),
+        (2, "float16", 8192, 4, False),
+        (1, "float32", 1 << 20, 1, True),
+    ],
+)
+def test_coldload_matches_the_reference_loader(tmp_path, tp, dtype, chunk, threads, direct):
+    ckpt = _checkpoint(tmp_path)
+    rules = parse_rules(None)
+    for rank in range(tp):
+        layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=dtype)
+        want = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8)
+        load_into_arena(layout, want)
+        got = torch.full((layout.nbytes,), 0x5A, dtype=torch.uint8)
+        stats = coldload.load_entries(
+            list(layout.entries), got, threads=threads, chunk=chunk, direct=direct
+        )
+        # Padding between tensors differs (poison values); every tensor's bytes must match.
+        for entry in layout.entries:
+            a = want[entry.offset : entry.offset + entry.nbytes]
+            b = got[entry.offset : entry.offset + entry.nbytes]
+            assert torch.equal(a, b), entry.name
+        assert stats.nbytes == sum(e.nbytes for e in layout.entries)
+        if dtype == "auto":
+            assert stats.read_bytes >= stats.nbytes
+
+
+def test_coldload_plan_is_sequential_and_bounded(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=2, tp_rank=1)
+    jobs = coldload.plan_jobs(list(layout.entries), 1024)
+    direct = [j for j in jobs if j.entry is None]
+    staged = [j for j in jobs if j.entry is not None]
+    # Row-parallel weights split along dim 1 need staging; everything else is a byte range.
+    assert {j.entry.name for j in staged} == {
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    }
+    for job in direct:
+        assert job.end - job.start <= 1024
+        assert sum(p.nbytes for p in job.pieces) == job.end - job.start
+        pos = job.start
+        for piece in job.pieces:  # pieces tile the job's file range in order
+            assert piece.file_offset == pos
+            pos += piece.nbytes
+
+
+def test_drop_page_cache_accepts_files(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 8192)
+    assert coldload.drop_page_cache([path]) in {True, False}

@@ -1,0 +1,68 @@
+"""Fixtures of the native daemon tests: tiny checkpoints and real `weightcache preload` runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from weightcache.demo import TINY, Preload, write_llama_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama-shaped checkpoint: 2 files + index, tied embeddings, bf16."""
+    return write_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", TINY, files=2)
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+@pytest.fixture
+def sock_dir(tmp_path: Path) -> Path:
+    return private_dir(tmp_path / "sockets")
+
+
+@pytest.fixture
+def preload() -> Iterator[Callable[..., Preload]]:
+    """Start `weightcache preload` children; every one is stopped at teardown."""
+    started: list[Preload] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Preload:
+        p = Preload(list(args), env=env)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def served(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    """One TP=1 daemon shared by the tests that leave it as they found it: (dir, READY info)."""
+    sockets = private_dir(tmp_path_factory.mktemp("served") / "sockets")
+    p = Preload(["--model", str(ckpt), "--weight-cache-socket-dir", str(sockets)])
+    try:
+        yield sockets, p.wait_ready(120)
+    finally:
+        p.stop()
+
+
+def raw_connect(path: str | Path, timeout: float = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(str(path))
+    return s
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

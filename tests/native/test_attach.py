@@ -1,0 +1,275 @@
+"""Attach like a restarting engine: real daemon processes, real sockets, bytes compared."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from weightcache.agent import client
+from weightcache.agent.client import (
+    FingerprintMismatchError,
+    NotReadyError,
+    attach,
+    load_state_dict,
+    materialize,
+    query,
+)
+from weightcache.agent.identity import cpu_identity, socket_path
+
+from weightcache.demo import TINY
+
+from .conftest import copy_checkpoint, private_dir
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def reference(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint as safetensors itself reads it."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_matches(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(ref) <= set(state)
+    for name, tensor in ref.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+
+
+def test_zero_copy_attach_matches_checkpoint(served, ckpt):
+    sockets, ready = served
+    res = attach(ckpt, socket_dir=sockets, mode="zero_copy", fallback=False)
+    assert res.source == "cache" and res.reason is None
+    assert res.socket == str(socket_path(sockets, cpu_identity(0)))
+    ref = reference(ckpt)
+    assert_matches(res.state_dict, ref)
+    assert res.tensors == len(ref) and res.nbytes == ready["bytes"]
+    # Tied: served once, one tensor object under both names.
+    assert HEAD not in ref and res.state_dict[HEAD] is res.state_dict[EMBED]
+    # Zero copy: all tensors are views of one mapping, at aligned offsets.
+    ptrs = sorted(t.data_ptr() for t in res.state_dict.values())
+    assert ptrs[-1] - ptrs[0] < ready["bytes"]
+    assert all(p % 256 == ptrs[0] % 256 for p in ptrs)
+    # A stray write by one engine stays private to it (MAP_PRIVATE over a sealed memfd).
+    res.state_dict["model.norm.weight"].fill_(7)
+    again = attach(ckpt, socket_dir=sockets, fallback=False).state_dict
+    assert torch.equal(again["model.norm.weight"], ref["model.norm.weight"])
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, kv: int, inter: int) -> None:
+        super().__init__()
+        self.self_attn = nn.Module()
+        for name, out in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv), ("o_proj", hidden)):
+            setattr(self.self_attn, name, nn.Linear(hidden, out, bias=False))
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.mlp.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.input_layernorm = nn.LayerNorm(hidden, bias=False)
+        self.post_attention_layernorm = nn.LayerNorm(hidden, bias=False)
+
+
+class TinyLlama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        s = TINY
+        kv = s.kv_heads * (s.hidden // s.heads)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.model.layers = nn.ModuleList(
+            Layer(s.hidden, kv, s.intermediate) for _ in range(s.layers)
+        )
+        self.model.norm = nn.LayerNorm(s.hidden, bias=False)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+
+
+def test_materialize_keeps_tied_weights_tied(served, ckpt):
+    sockets, _ = served
+    with torch.device("meta"):
+        model = TinyLlama()
+    state = load_state_dict(ckpt, socket_dir=sockets, fallback=False)
+    materialize(model, state)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() == state[EMBED].data_ptr()
+    assert not any(p.is_meta for p in model.parameters())
+    ref = reference(ckpt)
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, ref[down])
+    # The module runs on the mapped weights.
+    logits = model.lm_head(model.model.embed_tokens(torch.tensor([[1, 2, 3]])))
+    assert logits.shape == (1, 3, TINY.vocab)
+
+
+def test_materialize_reports_missing_tensors(served, ckpt):
+    sockets, _ = served
+    with torch.device("meta"):
+        model = TinyLlama()
+        model.extra = nn.Linear(2, 2)
+    state = load_state_dict(ckpt, socket_dir=sockets, fallback=False)
+    with pytest.raises(client.MissingTensorError, match="extra"):
+        materialize(model, state)
+
+
+def test_copy_mode_clones_then_releases(ckpt, sock_dir, preload):
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    ready = p.wait_ready(120)
+    sock = ready["sockets"][0]
+    res = attach(ckpt, socket_dir=sock_dir, mode="copy", fallback=False)
+    assert res.source == "cache" and res.mode == "copy"
+    assert_matches(res.state_dict, reference(ckpt))
+    assert res.state_dict[HEAD] is res.state_dict[EMBED]
+    # The daemon freed its arena: nothing to serve any more, and it says so.
+    assert query(sock, "get_memory")["bytes"] == 0
+    assert query(sock, "hello")["ready"] is False
+    with pytest.raises(NotReadyError):
+        attach(ckpt, socket_dir=sock_dir, fallback=False)
+    fell_back = attach(ckpt, socket_dir=sock_dir, fallback=True)
+    assert fell_back.source == "disk" and fell_back.reason.startswith("not_ready")
+    assert_matches(fell_back.state_dict, reference(ckpt))
+
+
+def test_tp2_shards_match_a_manual_split(ckpt, sock_dir, preload):
+    p = preload("--model", str(ckpt), "--tensor-parallel-size", "2", "--dtype", "float32",
+                "--weight-cache-socket-dir", str(sock_dir))
+    ready = p.wait_ready(120)
+    assert ready["ranks"] == 2 and len(set(ready["sockets"])) == 2
+    ref = {k: v.float() for k, v in reference(ckpt).items()}  # bf16 -> fp32 is exact
+    dims = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
+            "o_proj": 1, "down_proj": 1, "embed_tokens": 0}
+    for rank in (0, 1):
+        res = attach(ckpt, tp_size=2, tp_rank=rank, socket_dir=sock_dir, fallback=False,
+                     dtype="float32")
+        assert res.source == "cache"
+        for name, full in ref.items():
+            dim = next((d for key, d in dims.items() if f"{key}.weight" in name), None)
+            want = full if dim is None else torch.chunk(full, 2, dim=dim)[rank]
+            assert torch.equal(res.state_dict[name], want), (rank, name)
+        assert res.state_dict[HEAD] is res.state_dict[EMBED]
+        # The daemon and the disk path agree on the layout too.
+        disk = attach(ckpt, tp_size=2, tp_rank=rank, socket_dir=sock_dir / "none",
+                      dtype="float32")
+        assert disk.source == "disk"
+        assert_matches(res.state_dict, disk.state_dict)
+    # Rank 1 asking rank 0's socket is refused (the fingerprint carries the rank).
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(ckpt, tp_size=2, tp_rank=1, socket_path=ready["sockets"][0], fallback=False,
+               device_index=0, dtype="float32")
+    assert "tp_rank" in info.value.fields
+
+
+def test_fingerprint_mismatch_falls_back_or_raises(served, ckpt, caplog):
+    sockets, ready = served
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(ckpt, socket_dir=sockets, dtype="float32", fallback=False)
+    assert info.value.fields == ["dtype"]
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(ckpt, socket_dir=sockets, shard_rules=[r"proj=0"], fallback=False)
+    assert info.value.fields == ["shard_rules"]
+    with caplog.at_level(logging.WARNING, logger="weightcache.client"):
+        res = attach(ckpt, socket_dir=sockets, dtype="float32", fallback=True)
+    assert res.source == "disk" and "fingerprint_mismatch" in res.reason and "dtype" in res.reason
+    assert "from disk" in caplog.text and "dtype" in caplog.text
+    assert res.state_dict[EMBED].dtype == torch.float32
+    stats = query(ready["sockets"][0], "stats")
+    assert stats["mismatches"]["dtype"] >= 2
+    assert stats["requests"]["get_state"]["fingerprint_mismatch"] >= 3
+
+
+def test_same_weights_in_another_directory_match(served, ckpt, tmp_path):
+    sockets, _ = served
+    other = copy_checkpoint(ckpt, tmp_path / "elsewhere")
+    assert attach(other, socket_dir=sockets, fallback=False).source == "cache"
+    # Untying the embeddings changes what is served: the alias table differs.
+    cfg = json.loads((other / "config.json").read_text())
+    assert cfg["tie_word_embeddings"]
+    (other / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(other, socket_dir=sockets, fallback=False)
+    assert info.value.fields == ["aliases"]
+
+
+def test_environment_fills_unset_arguments(served, ckpt, monkeypatch):
+    sockets, _ = served
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET_DIR", str(sockets))
+    monkeypatch.setenv("WEIGHTCACHE_FALLBACK", "false")
+    monkeypatch.setenv("WEIGHTCACHE_MODE", "zero_copy")
+    assert attach(ckpt).source == "cache"
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET_DIR", str(sockets / "missing"))
+    with pytest.raises(client.DaemonUnavailableError):
+        attach(ckpt)
+    # Explicit arguments win over the environment.
+    assert attach(ckpt, socket_dir=sockets).source == "cache"
+    assert attach(ckpt, fallback=True).source == "disk"
+    monkeypatch.setenv("WEIGHTCACHE_FALLBACK", "maybe")
+    with pytest.raises(ValueError, match="WEIGHTCACHE_FALLBACK"):
+        attach(ckpt)
+
+
+def test_attach_cli_prints_one_json_line(served, ckpt, tmp_path):
+    sockets, _ = served
+    cmd = [sys.executable, "-m", "weightcache.cli", "attach", "--model", str(ckpt)]
+    out = subprocess.run([*cmd, "--weight-cache-socket-dir", str(sockets), "--verify-bytes"],
+                         capture_output=True, text=True, check=True)
+    line = json.loads(out.stdout.strip())
+    assert line["source"] == "cache" and line["reason"] is None and line["verified"] is True
+    assert line["tensors"] == len(reference(ckpt)) and line["bytes"] > 0 and line["seconds"] > 0
+    empty = private_dir(tmp_path / "empty")
+    out = subprocess.run([*cmd, "--weight-cache-socket-dir", str(empty), "--no-fallback"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and json.loads(out.stdout)["error"] == "unavailable"
+
+
+def test_concurrent_engines_attach_at_once(served, ckpt):
+    sockets, ready = served
+    ref = reference(ckpt)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(
+            lambda _: attach(ckpt, socket_dir=sockets, fallback=False), range(16)))
+    for res in results:
+        assert res.source == "cache"
+        assert torch.equal(res.state_dict[EMBED], ref[EMBED])
+    stats = query(ready["sockets"][0], "stats")
+    assert stats["attach_seconds"]["count"] >= 16
+
+
+def test_unusual_tensors_round_trip_through_the_layout(tmp_path):
+    """Scalars, empty tensors, odd sizes, integer/bool/fp8 dtypes: views land where they should."""
+    from safetensors.torch import save_file
+    from weightcache.agent.checkpoint import open_checkpoint
+    from weightcache.agent.loader import load_into_arena, plan_layout, tensors_from_table
+    from weightcache.agent.sharding import parse_rules
+
+    tensors = {
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+        "odd": torch.arange(7, dtype=torch.int8),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(5, dtype=torch.int64) * 10**12,
+        "fp8": torch.randn(3, 5).to(torch.float8_e4m3fn),
+        "w.q_proj.weight": torch.randn(6, 3, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = open_checkpoint(tmp_path)
+    layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=2, tp_rank=1)
+    assert all(e.offset % 256 == 0 for e in layout.entries)
+    flat = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    load_into_arena(layout, flat)
+    got = tensors_from_table(flat, layout.table())
+    for name, want in tensors.items():
+        if name == "w.q_proj.weight":
+            want = want[3:]
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        raw = got[name].reshape(-1).view(torch.uint8)
+        assert torch.equal(raw, want.contiguous().reshape(-1).view(torch.uint8)), name

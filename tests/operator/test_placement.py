@@ -1,0 +1,203 @@
+"""The planner's rank layout against vLLM's, and sticky ranks under node churn."""
+
+from __future__ import annotations
+
+import pytest
+from weightcache.operator.placement import (
+    NodeInfo,
+    data_start_rank,
+    ineligible_reason,
+    node_slots,
+    place,
+)
+from weightcache.operator.spec import layout, validate, with_defaults
+
+
+def _spec(**par) -> dict:
+    gpus = par.pop("gpusPerNode", None)
+    raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
+    if gpus is not None:
+        raw["gpusPerNode"] = gpus
+    spec = with_defaults(raw, "ns", "c")
+    assert validate(spec) == []
+    return spec
+
+
+def _vllm_global(node_rank: int, local: int, per_node: int) -> int:
+    # vLLM: the global rank of local GPU i on node r.
+    return node_rank * per_node + local
+
+
+def test_tp16_over_two_nodes():
+    spec = _spec(tensor=16, nodes=2)
+    lay = layout(spec)
+    assert (lay.per_node_world, lay.gpus_per_node, lay.replicas_per_node) == (8, 8, 1)
+    for node_rank in range(2):
+        slots = node_slots(lay, node_rank)
+        assert [s.global_rank for s in slots] == [_vllm_global(node_rank, i, 8) for i in range(8)]
+        assert [s.tp_rank for s in slots] == list(range(node_rank * 8, node_rank * 8 + 8))
+        assert {s.dp_rank for s in slots} == {0}
+    all_ranks = [s.global_rank for r in range(2) for s in node_slots(lay, r)]
+    assert all_ranks == list(range(16))
+
+
+def test_tp1_dp16_expert_over_four_nodes_of_four():
+    spec = _spec(tensor=1, data=16, expert=True, nodes=4)
+    lay = layout(spec)
+    assert (lay.per_node_world, lay.data_local, lay.gpus_per_node) == (4, 4, 4)
+    assert lay.expert and lay.world_size == 16
+    for node_rank in range(4):
+        start = data_start_rank(lay, node_rank)
+        assert start == 4 * node_rank  # the seed's --data-parallel-start-rank 4r
+        slots = node_slots(lay, node_rank)
+        # vLLM's DP placement: local GPU i serves DP rank start_rank + i // tp, TP rank i % tp.
+        assert [s.dp_rank for s in slots] == [start + i // 1 for i in range(4)]
+        assert [s.tp_rank for s in slots] == [0, 0, 0, 0]
+        assert [s.global_rank for s in slots] == [_vllm_global(node_rank, i, 4) for i in range(4)]
+
+
+def test_tp8_dp2_over_four_nodes():
+    spec = _spec(tensor=8, data=2, nodes=4)
+    lay = layout(spec)
+    assert (lay.per_node_world, lay.gpus_per_node) == (4, 4)
+    table = {r: node_slots(lay, r) for r in range(4)}
+    # Each TP group of 8 spans two nodes; DP rank 0 lives on nodes 0-1, DP rank 1 on 2-3.
+    assert [s.dp_rank for s in table[0] + table[1]] == [0] * 8
+    assert [s.dp_rank for s in table[2] + table[3]] == [1] * 8
+    assert [s.tp_rank for s in table[1]] == [4, 5, 6, 7]
+    assert [s.tp_rank for s in table[3]] == [4, 5, 6, 7]
+    for r, slots in table.items():
+        assert [s.global_rank for s in slots] == [_vllm_global(r, i, 4) for i in range(4)]
+        # global rank = dp * tp_size + tp_rank, as in vLLM's world group.
+        assert all(s.global_rank == s.dp_rank * 8 + s.tp_rank for s in slots)
+
+
+def test_tp4_dp2_single_node_matches_dp_placement():
+    spec = _spec(tensor=2, data=4, nodes=2)
+    lay = layout(spec)
+    for node_rank in range(2):
+        start = data_start_rank(lay, node_rank)
+        slots = node_slots(lay, node_rank)
+        assert [s.dp_rank for s in slots] == [start + i // 2 for i in range(4)]
+        assert [s.tp_rank for s in slots] == [i % 2 for i in range(4)]
+
+
+def test_dense_tp_smaller_than_node_fills_it_with_replicas():
+    spec = _spec(tensor=2, gpusPerNode=8)
+    lay = layout(spec)
+    assert lay.replicas_per_node == 4
+    slots = node_slots(lay, 0)
+    assert [s.replica for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # Every replica is a complete TP2 group, so an engine given any GPU pair finds its shard.
+    assert [s.tp_rank for s in slots] == [0, 1] * 4
+    # Replicas are placed as vLLM places data parallelism: DP rank i // tp.
+    assert [s.dp_rank for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.global_rank for s in slots] == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("par", "field"),
+    [
+        ({"tensor": 3, "nodes": 2}, "spec.parallelism.nodes"),
+        ({"tensor": 8, "gpusPerNode": 4}, "spec.gpusPerNode"),
+        ({"tensor": 1, "data": 8, "expert": True, "gpusPerNode": 16}, "spec.gpusPerNode"),
+        ({"tensor": 4, "pipeline": 2}, "spec.parallelism.pipeline"),
+        ({"tensor": 2, "gpusPerNode": 7}, "spec.gpusPerNode"),
+        ({"tensor": 4, "data": 3, "nodes": 4}, "spec.parallelism.tensor"),
+    ],
+)
+def test_impossible_layouts_name_the_field(par, field):
+    gpus = par.pop("gpusPerNode", None)
+    raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
+    if gpus:
+        raw["gpusPerNode"] = gpus
+    problems = validate(raw)
+    assert field in [p.field for p in problems], problems
+    assert all(p.message for p in problems)
+
+
+def _nodes(*names: str, gpus: int = 8, **kw) -> list[NodeInfo]:
+    return [NodeInfo(name=n, gpus=gpus, **kw) for n in names]
+
+
+def test_ranks_are_stable_across_unrelated_churn():
+    spec = _spec(tensor=16, nodes=2)
+    lay = layout(spec)
+    first = place([], _nodes("n-c", "n-a", "n-b"), spec, lay)
+    assert first.nodes == ("n-a", "n-b")
+    # New nodes that sort first join, one unrelated node leaves: the ranks stay.
+    second = place(list(first.nodes), _nodes("a-new", "n-a", "n-b", "0-new"), spec, lay)
+    assert second.nodes == ("n-a", "n-b") and not second.replaced
+    # A placed node goes NotReady: its rank goes to a spare, the survivor keeps its rank.
+    nodes = [*_nodes("a-new", "n-b"), NodeInfo("n-a", gpus=8, ready=False)]
+    third = place(list(first.nodes), nodes, spec, lay)
+    assert third.nodes == ("a-new", "n-b") and third.replaced == ("n-a",)
+
+
+def test_not_enough_nodes_counts_reasons():
+    spec = _spec(tensor=8, data=2, nodes=4)
+    spec["placement"]["nodeSelector"] = {"pool": "gpu"}
+    lay = layout(spec)
+    nodes = [
+        NodeInfo("a", labels={"pool": "gpu"}, gpus=4),
+        NodeInfo("b", labels={"pool": "gpu"}, gpus=2),
+        NodeInfo("c", labels={"pool": "cpu"}, gpus=4),
+        NodeInfo("d", labels={"pool": "gpu"}, gpus=4, ready=False),
+        NodeInfo(
+            "e",
+            labels={"pool": "gpu"},
+            gpus=4,
+            taints=({"key": "dedicated", "value": "x", "effect": "NoSchedule"},),
+        ),
+    ]
+    result = place([], nodes, spec, lay)
+    assert not result.schedulable and result.eligible == 1
+    assert result.reasons == {
+        "NotEnoughGPUs": 1,
+        "NodeSelectorMismatch": 1,
+        "NotReady": 1,
+        "TaintNotTolerated": 1,
+    }
+
+
+def test_tolerations_affinity_and_gpu_sources():
+    spec = _spec(tensor=1)
+    spec["placement"]["tolerations"] = [{"key": "dedicated", "operator": "Exists"}]
+    spec["placement"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]}
+                ]
+            }
+        }
+    }
+    lay = layout(spec)
+    node = NodeInfo.from_node(
+        {
+            "metadata": {"name": "g", "labels": {"zone": "z1", "nvidia.com/gpu.count": "2"}},
+            "spec": {"taints": [{"key": "dedicated", "value": "x", "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+    assert node.gpus == 2 and node.ready
+    assert ineligible_reason(node, spec, lay) is None
+    other = NodeInfo.from_node(
+        {
+            "metadata": {"name": "h", "labels": {"zone": "z2"}},
+            "status": {
+                "allocatable": {"nvidia.com/gpu": "8"},
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+    )
+    assert other.gpus == 8
+    assert ineligible_reason(other, spec, lay) == "AffinityMismatch"
+
+
+def test_cpu_device_needs_no_gpus():
+    spec = with_defaults(
+        {"runtime": "native", "device": "cpu", "model": {"path": "/models/m"}}, "ns", "c"
+    )
+    lay = layout(spec)
+    assert ineligible_reason(NodeInfo("cpu-node", gpus=0), spec, lay) is None

@@ -1,0 +1,162 @@
+"""Shapes of the owned objects that integration tests do not reach."""
+
+from __future__ import annotations
+
+import json
+
+from weightcache.operator import resources as R
+from weightcache.operator.spec import layout, with_defaults
+
+from weightcache import constants as C
+
+CACHE = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
+
+
+def _build(raw: dict, nodes=("n0",), options: R.AgentOptions | None = None):
+    spec = with_defaults(raw, "ml", "llama")
+    lay = layout(spec)
+    doc = R.plan(CACHE, spec, lay, list(nodes), epoch=3)
+    return spec, doc, R.daemonset(CACHE, spec, doc, list(nodes), options or R.AgentOptions())
+
+
+def test_replicas_are_planned_as_vllm_data_parallelism():
+    _, doc, _ = _build(
+        {
+            "runtime": "native",
+            "model": {"path": "/models/m"},
+            "parallelism": {"tensor": 2},
+            "gpusPerNode": 8,
+        }
+    )
+    assert doc["layout"] == {
+        "tensor": 2,
+        "data": 4,
+        "dataLocal": 4,
+        "expert": False,
+        "worldSize": 8,
+        "perNodeWorld": 8,
+        "replicasPerNode": 4,
+    }
+    slots = doc["nodes"][0]["slots"]
+    assert [s["dpRank"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s["replica"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
+    raw = {
+        "runtime": "native",
+        "model": {"path": "/models/m"},
+        "resources": {
+            "requests": {"cpu": "1", "nvidia.com/gpu": 8},
+            "limits": {"nvidia.com/gpu": 8},
+        },
+        "placement": {
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "priorityClassName": "system-node-critical",
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "zone", "operator": "In", "values": ["a"]}
+                                ]
+                            },
+                            {
+                                "matchExpressions": [
+                                    {"key": "zone", "operator": "In", "values": ["b"]}
+                                ]
+                            },
+                        ]
+                    }
+                }
+            },
+        },
+    }
+    _, doc, ds = _build(
+        raw,
+        nodes=("n1", "n0"),
+        options=R.AgentOptions(runtime_class="nvidia", service_account="agent"),
+    )
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1"}}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    pin = {"key": "metadata.name", "operator": "In", "values": ["n0", "n1"]}
+    assert [t["matchFields"] for t in terms] == [[pin], [pin]]  # ANDed into every user term
+    assert terms[1]["matchExpressions"][0]["values"] == ["b"]
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["runtimeClassName"] == "nvidia" and pod["serviceAccountName"] == "agent"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
+    init = pod["initContainers"][0]
+    assert init["command"][-1] == "/var/run/weightcache/ml/llama"
+    ann = ds["spec"]["template"]["metadata"]["annotations"]
+    assert ann[C.ANN_EPOCH] == "3" and ann[R.ANN_PLAN_HASH] == R.plan_hash(doc)
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "100%"
+
+
+def test_vllm_agent_runs_in_the_engine_image_with_host_namespaces():
+    _, doc, ds = _build(
+        {
+            "runtime": "vllm",
+            "image": "vllm/vllm-openai:v0.31.0",
+            "model": {
+                "path": "/models/m",
+                "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+            },
+        }
+    )
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] and pod["hostIPC"]
+    assert pod["containers"][0]["image"] == "vllm/vllm-openai:v0.31.0"
+    assert [c["name"] for c in pod["initContainers"]] == ["socket-dir", "agent-lib"]
+    # The copied agent packages come after the image's own; the vLLM child sees none of them.
+    assert pod["containers"][0]["command"] == ["python3", "-c", R.AGENT_BOOT_VLLM]
+    assert "PYTHONPATH" not in {e["name"] for e in pod["containers"][0]["env"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
+    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc
+
+
+def test_contains_detects_drift_but_not_server_defaults():
+    desired = {"spec": {"a": 1, "items": [{"x": 1}]}}
+    assert R.contains({"spec": {"a": 1, "b": 2, "items": [{"x": 1, "y": 0}]}}, desired)
+    assert not R.contains({"spec": {"a": 2, "items": [{"x": 1}]}}, desired)
+    assert not R.contains({"spec": {"a": 1, "items": [{"x": 1}, {"x": 2}]}}, desired)
+
+
+def test_the_agent_accepts_every_plan_of_the_seed_layouts():
+    from weightcache.agent.config import parse_plan
+
+    for par, nodes in [
+        ({"tensor": 16, "nodes": 2}, ("a", "b")),
+        ({"tensor": 1, "data": 16, "expert": True, "nodes": 4}, ("a", "b", "c", "d")),
+        ({"tensor": 8, "data": 2, "nodes": 4}, ("a", "b", "c", "d")),
+        ({"tensor": 2}, ("a",)),
+    ]:
+        raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
+        _, doc, _ = _build(raw, nodes=nodes)
+        plan = parse_plan(R.plan_json(doc))
+        assert plan.nodes == {n: i for i, n in enumerate(nodes)}
+        assert plan.layout.world_size == doc["layout"]["worldSize"]
+        assert plan.layout.data_local == doc["layout"]["dataLocal"]
+        assert plan.master_addr == "llama-rendezvous.ml.svc"
+
+
+def test_owned_objects_are_valid_kubernetes_manifests():
+    import kubernetes_validate
+
+    raw = {
+        "runtime": "vllm",
+        "image": "vllm/vllm-openai:v0.31.0",
+        "model": {"path": "/models/m"},
+        "parallelism": {"tensor": 16, "nodes": 2},
+        "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
+        "placement": {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
+    }
+    spec, doc, ds = _build(raw, nodes=("a", "b"), options=R.AgentOptions(runtime_class="nvidia"))
+    for obj in (ds, R.service(CACHE, spec), R.configmap(CACHE, doc)):
+        kubernetes_validate.validate(obj, "1.30", strict=True)

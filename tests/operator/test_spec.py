@@ -1,0 +1,132 @@
+"""Defaults and the semantic rules of a WeightCache spec (shared by operator and webhook)."""
+
+from __future__ import annotations
+
+import pytest
+from weightcache.operator.spec import Problem, layout, validate, with_defaults
+
+BASE = {"runtime": "native", "model": {"path": "/models/m"}}
+
+
+def _fields(spec: dict) -> list[str]:
+    return [p.field for p in validate(spec)]
+
+
+def test_defaults_fill_everything_and_keep_user_values():
+    spec = with_defaults({**BASE, "ports": {"rendezvous": 30000}}, "ns", "llama")
+    assert spec["socketDir"] == "/var/run/weightcache/ns/llama"
+    assert spec["ports"] == {
+        "rendezvous": 30000,
+        "draftRendezvous": 30001,
+        "health": 8478,
+        "metrics": 9478,
+        "grpc": 9479,
+    }
+    assert spec["model"]["volume"] == {"hostPath": {"path": "/models", "type": "Directory"}}
+    assert spec["engine"] == {
+        "mode": "zero_copy",
+        "fallback": True,
+        "connectTimeoutSeconds": 5,
+        "stateTimeoutSeconds": 300,
+    }
+    assert spec["runAs"] == {"uid": 1000, "gid": 1000}
+    assert spec["device"] == "cuda" and spec["gpusPerNode"] == 1
+    assert validate(spec) == []
+    # The input is not modified.
+    assert "socketDir" not in BASE
+
+
+def test_problem_is_a_dataclass_with_field_and_message():
+    (problem,) = validate({**BASE, "socketDir": "relative/dir"})
+    assert isinstance(problem, Problem)
+    assert problem.field == "spec.socketDir" and "absolute" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "words"),
+    [
+        ({"runtime": "vllm"}, "spec.image", "vLLM image"),
+        ({"runtime": "vllm", "image": "vllm/vllm-openai"}, "spec.image", "pin"),
+        ({"runtime": "vllm", "image": "vllm/vllm-openai:latest"}, "spec.image", "pin"),
+        ({"image": "Not An Image!"}, "spec.image", "REPOSITORY:TAG"),
+        ({"ports": {"health": 9478}}, "spec.ports.metrics", "already used"),
+        ({"ports": {"rendezvous": 9479}}, "spec.ports.grpc", "already used"),
+        ({"socketDir": "/var/run/../etc"}, "spec.socketDir", "normal form"),
+        ({"socketDir": "/etc/x"}, "spec.socketDir", "system path"),
+        (
+            {"model": {"path": "/m", "volume": {"emptyDir": {}}}},
+            "spec.model.volume.emptyDir",
+            "cannot load",
+        ),
+        (
+            {"model": {"path": "/m", "volume": {"configMap": {"name": "x"}}}},
+            "spec.model.volume.configMap",
+            "1 MiB",
+        ),
+        (
+            {"model": {"path": "/m", "volume": {"hostPath": {"path": "rel"}}}},
+            "spec.model.volume.hostPath.path",
+            "absolute",
+        ),
+        (
+            {"model": {"path": "/m", "volume": {"hostPath": {"path": "/a"}, "nfs": {}}}},
+            "spec.model.volume",
+            "exactly one",
+        ),
+        (
+            {"model": {"path": "/m", "volume": {"persistentVolumeClaim": {}}}},
+            "spec.model.volume.persistentVolumeClaim.claimName",
+            "claim",
+        ),
+        ({"model": {"path": "/other/m"}}, "spec.model.path", "outside"),
+        (
+            {
+                "model": {"path": "/m", "volume": {"gcePersistentDisk": {"pdName": "d"}}},
+                "parallelism": {"tensor": 16, "nodes": 2},
+            },
+            "spec.model.volume.gcePersistentDisk",
+            "one node",
+        ),
+        (
+            {"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0", "shardRules": [".*=0"]},
+            "spec.shardRules",
+            "native only",
+        ),
+        ({"shardRules": ["no-dim"]}, "spec.shardRules[0]", "REGEX=DIM"),
+        ({"engine": {"mode": "fast"}}, "spec.engine.mode", "zero_copy"),
+        ({"engine": {"stateTimeoutSeconds": 0}}, "spec.engine.stateTimeoutSeconds", "positive"),
+        ({"parallelism": {"tensor": 4, "pipeline": 2}}, "spec.parallelism.pipeline", "pipeline"),
+        ({"parallelism": {"tensor": 16, "nodes": 3}}, "spec.parallelism.nodes", "divide"),
+        (
+            {"parallelism": {"tensor": 8, "data": 2, "nodes": 4, "dataLocal": 2}},
+            "spec.parallelism.dataLocal",
+            "set dataLocal to 1",
+        ),
+        ({"parallelism": {"tensor": 8}, "gpusPerNode": 4}, "spec.gpusPerNode", "cannot hold"),
+    ],
+)
+def test_rule_names_field_and_fix(patch, field, words):
+    spec = {**BASE, **patch}
+    problems = {p.field: p.message for p in validate(spec)}
+    assert field in problems, problems
+    assert words in problems[field]
+
+
+def test_valid_layouts_from_the_seed():
+    for par, gpus in [
+        ({"tensor": 16, "nodes": 2}, 8),
+        ({"tensor": 1, "data": 16, "expert": True, "nodes": 4}, 4),
+        ({"tensor": 8, "data": 2, "nodes": 4}, 4),
+    ]:
+        spec = with_defaults({**BASE, "parallelism": par}, "ns", "c")
+        assert validate(spec) == []
+        assert layout(spec).gpus_per_node == gpus
+
+
+def test_valid_vllm_images():
+    for image in (
+        "vllm/vllm-openai:v0.31.0",
+        "registry.example.com:5000/team/vllm:0.31.0-cu128",
+        "vllm/vllm-openai@sha256:" + "a" * 64,
+    ):
+        assert _fields({**BASE, "runtime": "vllm", "image": image}) == []
