@@ -59,8 +59,20 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
 
 
-class Stop(Exception):
-    """Raised by the signal handler to leave the accept loop."""
+class Stop(BaseException):
+    """Raised by the signal handler while a rank loads, to abandon the load.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (logging's
+    own error handling among them) can swallow it. Once the rank serves, the handler no longer
+    raises: it sets the server's stop flag and wakes the accept loop instead (`_Serving`).
+    """
+
+
+class _Serving:
+    """The server and listener of this process once it serves, for the signal handler."""
+
+    server: RankServer | None = None
+    listener: socket.socket | None = None
 
 
 class Stats:
@@ -483,6 +495,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         log.info("rank %d serving %d bytes on %s", rank, layout.nbytes, path)
+        _Serving.server, _Serving.listener = server, listener
         server.serve(listener)
         return EXIT_OK
     except Stop:
@@ -491,6 +504,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         return EXIT_ERROR
     finally:
+        _Serving.server = _Serving.listener = None
         if server is not None:
             server.shutdown()
         if listener is not None:
@@ -504,7 +518,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    raise Stop()
+    server, listener = _Serving.server, _Serving.listener
+    if server is None or listener is None:
+        raise Stop()
+    server.stopping.set()
+    # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
+    # fail at once, and serve() sees the stop flag.
+    with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
 
 
 def main(argv: list[str] | None = None) -> int:

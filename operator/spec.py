@@ -263,6 +263,16 @@ def _check_runtime(spec: dict) -> list[Problem]:
         problems.append(
             Problem("spec.device", f"must be one of {', '.join(DEVICES)}, not {spec['device']!r}")
         )
+    par = spec.get("parallelism") or {}
+    if runtime == "native" and par.get("expert") and int(par.get("data") or 1) > 1:
+        problems.append(
+            Problem(
+                "spec.parallelism.expert",
+                "runtime native shards by tensor-parallel rules only and cannot lay out experts "
+                "across data-parallel ranks; use runtime vllm for expert parallelism with "
+                "data > 1, or set expert: false",
+            )
+        )
     for i, rule in enumerate(spec.get("shardRules") or []):
         problems += _check_shard_rule(i, rule)
     return problems

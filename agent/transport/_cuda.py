@@ -162,6 +162,32 @@ class DeviceMemory:
 RELEASE_ERRORS: list[str] = []
 
 
+class MappedImport:
+    """Client side of a CUDA transport: a flat uint8 tensor over mapped device memory.
+
+    `close` drops only this object's references: tensors an engine still holds keep the
+    mapping, which is released with the last of them (DeviceMemory's finalizer).
+    """
+
+    nbytes: int = 0
+    _memory: DeviceMemory | None = None
+    _tensor: torch.Tensor | None = None
+
+    def _adopt(self, memory: DeviceMemory, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._memory = memory
+        self._tensor = memory.tensor()
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise TransportError("mapping is closed")
+        return self._tensor
+
+    def close(self) -> None:
+        self._tensor = None
+        self._memory = None
+
+
 def _run_release(ordinal: int, release: Callable[[], None]) -> None:
     try:
         make_current(ordinal)

@@ -127,7 +127,7 @@ def preflight(meta: dict[str, Any]) -> None:
         )
 
 
-class IpcImported:
+class IpcImported(_cuda.MappedImport):
     def __init__(self, meta: dict[str, Any], ordinal: int) -> None:
         cu = _cuda.driver()
         try:
@@ -147,19 +147,8 @@ class IpcImported:
                 "process need distinct PIDs (give the daemon hostPID); the 'cuda_vmm' transport "
                 "has no such restriction."
             ) from exc
-        self.nbytes = nbytes
         memory = _cuda.DeviceMemory(base + offset, nbytes, ordinal, lambda: _close_ipc(base))
-        self._memory: _cuda.DeviceMemory | None = memory
-        self._tensor: torch.Tensor | None = memory.tensor()
-
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise TransportError("mapping is closed")
-        return self._tensor
-
-    def close(self) -> None:
-        self._tensor = None
-        self._memory = None
+        self._adopt(memory, nbytes)
 
 
 class IpcTransport:

@@ -160,7 +160,7 @@ class VmmArena:
         self._memory = None  # unmaps now unless a view in this process still holds it
 
 
-class VmmImported:
+class VmmImported(_cuda.MappedImport):
     """Client side: the daemon's allocation mapped into this process."""
 
     def __init__(self, meta: dict[str, Any], fd: int, ordinal: int, readonly: bool) -> None:
@@ -182,21 +182,7 @@ class VmmImported:
             ptr = _map(handle, size, ordinal, readonly=readonly)
         finally:
             cu.cuMemRelease(handle)  # the mapping keeps it; freed on unmap
-        self.nbytes = nbytes
-        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
-            ptr, nbytes, ordinal, lambda: _unmap(ptr, size)
-        )
-        self._tensor: torch.Tensor | None = self._memory.tensor()
-
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise TransportError("mapping is closed")
-        return self._tensor
-
-    def close(self) -> None:
-        # Tensors an engine still holds keep the mapping; it goes with the last of them.
-        self._tensor = None
-        self._memory = None
+        self._adopt(_cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _unmap(ptr, size)), nbytes)
 
 
 class VmmTransport:

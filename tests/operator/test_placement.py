@@ -16,6 +16,8 @@ from weightcache.operator.spec import layout, validate, with_defaults
 def _spec(**par) -> dict:
     gpus = par.pop("gpusPerNode", None)
     raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
+    if par.get("expert"):  # expert layouts across DP ranks are vLLM's
+        raw.update(runtime="vllm", image="vllm/vllm-openai:v0.31.0")
     if gpus is not None:
         raw["gpusPerNode"] = gpus
     spec = with_defaults(raw, "ns", "c")

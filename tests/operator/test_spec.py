@@ -103,6 +103,11 @@ def test_problem_is_a_dataclass_with_field_and_message():
             "set dataLocal to 1",
         ),
         ({"parallelism": {"tensor": 8}, "gpusPerNode": 4}, "spec.gpusPerNode", "cannot hold"),
+        (
+            {"parallelism": {"tensor": 1, "data": 4, "expert": True}, "gpusPerNode": 4},
+            "spec.parallelism.expert",
+            "runtime vllm",
+        ),
     ],
 )
 def test_rule_names_field_and_fix(patch, field, words):
@@ -113,12 +118,14 @@ def test_rule_names_field_and_fix(patch, field, words):
 
 
 def test_valid_layouts_from_the_seed():
+    vllm = {"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0"}
     for par, gpus in [
         ({"tensor": 16, "nodes": 2}, 8),
         ({"tensor": 1, "data": 16, "expert": True, "nodes": 4}, 4),
         ({"tensor": 8, "data": 2, "nodes": 4}, 4),
     ]:
-        spec = with_defaults({**BASE, "parallelism": par}, "ns", "c")
+        runtime = vllm if par.get("expert") else {}
+        spec = with_defaults({**BASE, **runtime, "parallelism": par}, "ns", "c")
         assert validate(spec) == []
         assert layout(spec).gpus_per_node == gpus
 
