@@ -9,7 +9,11 @@ from pathlib import Path
 
 from setuptools import setup
 
-ROOTS = {"weightcache": "weightcache", "weightcache.operator": "operator", "weightcache.agent": "agent"}
+ROOTS = {
+    "weightcache": "weightcache",
+    "weightcache.operator": "operator",
+    "weightcache.agent": "agent",
+}
 
 
 def _packages() -> list[str]:

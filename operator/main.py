@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import logging
 import os
+import secrets
 import sys
 from types import ModuleType
 
@@ -30,6 +31,18 @@ def _admission() -> ModuleType | None:
         return None
 
 
+def replica_priority(given: int | None) -> int:
+    """The kopf peering priority of this replica.
+
+    kopf lets the replica with the highest priority reconcile and pauses the rest; replicas of
+    equal priority would all pause. Replicas of one Deployment cannot be told apart in their
+    arguments, so each draws its own at start-up unless one is given.
+    """
+    if given is not None:
+        return given
+    return secrets.randbelow(1_000_000) + 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache operator", description=__doc__.splitlines()[0])
     scope = p.add_mutually_exclusive_group()
@@ -40,7 +53,13 @@ def parser() -> argparse.ArgumentParser:
     peer = p.add_mutually_exclusive_group()
     peer.add_argument("--peering", default=None, help="ClusterKopfPeering name (leader election)")
     peer.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority of this replica (default: a random one per process, since "
+        "kopf pauses every replica when two share the highest priority)",
+    )
     p.add_argument("--log-format", choices=("json", "text"), default="json")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.add_argument("--metrics-host", default="0.0.0.0")
@@ -120,7 +139,7 @@ async def run(
             namespaces=args.namespace,
             standalone=args.standalone or not args.peering,
             peering_name=args.peering,
-            priority=args.priority,
+            priority=replica_priority(args.priority),
             liveness_endpoint=liveness,
             memo=kopf.Memo(controller=ctl),
             stop_flag=stop_flag,

@@ -38,7 +38,7 @@ COPY_AGENT_SCRIPT = (
     "import importlib, os, shutil, sys\n"
     "dst = sys.argv[1]\n"
     "for name in ('weightcache', 'msgpack', 'grpc', 'grpc_health', 'google.protobuf',\n"
-    "             'prometheus_client'):\n"
+    "             'google._upb', 'prometheus_client', 'yaml'):\n"
     "    try:\n"
     "        mod = importlib.import_module(name)\n"
     "    except ImportError:\n"
@@ -46,11 +46,12 @@ COPY_AGENT_SCRIPT = (
     "    src = os.path.dirname(mod.__file__)\n"
     "    shutil.copytree(src, os.path.join(dst, *name.split('.')), dirs_exist_ok=True)\n"
 )
-# Starts the agent with the copied packages *after* the image's own on sys.path: the vLLM
-# image's versions win, the copies only fill gaps, and `vllm preload` (a child process)
-# never sees them because no PYTHONPATH is set.
+# Starts the agent with the copied packages *before* the image's own on sys.path: the agent
+# runs with the exact grpc/protobuf its generated code was built against (a vLLM image's
+# older protobuf would refuse it), and never imports vllm. `vllm preload` (a child process)
+# never sees the copies: they are put on sys.path in this process only, no PYTHONPATH is set.
 AGENT_BOOT_VLLM = (
-    f"import sys; sys.path.append({AGENT_LIB_DIR!r}); "
+    f"import sys; sys.path.insert(0, {AGENT_LIB_DIR!r}); "
     "from weightcache.cli import main; sys.exit(main(['agent']))"
 )
 

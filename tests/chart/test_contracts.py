@@ -4,9 +4,6 @@ the NetworkPolicy and PodMonitor name are the ones agent pods expose."""
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-
 import pytest
 
 from tests.chart import chart
@@ -37,26 +34,17 @@ def test_operator_accepts_the_chart_flags(name):
     assert probe["port"] == "health" and probe["path"] == "/healthz"
 
 
-def test_priority_wrapper_gives_each_replica_its_own_priority():
-    """Two replicas of equal kopf priority would both pause: the wrapper draws one each."""
+def test_replicas_draw_distinct_peering_priorities():
+    """Two replicas of equal kopf priority would both pause: each process draws its own."""
+    from weightcache.operator import main as operator_main
+
     container = _operator_container(rendered("default"))
-    command = container["command"]
-    assert command[:2] == ["/bin/sh", "-c"]
-    script = command[2].replace("exec python3 -m weightcache.cli", "echo")
-    seen = set()
-    for _ in range(3):
-        out = subprocess.run(
-            ["/bin/sh", "-c", script, command[3], *container["args"]],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        words = shlex.split(out)
-        assert words[: len(container["args"])] == container["args"]
-        (priority,) = [w for w in words if w.startswith("--priority=")]
-        assert 1 <= int(priority.split("=")[1]) <= 1_000_000
-        seen.add(priority)
-    assert len(seen) > 1
+    assert "command" not in container  # the image's entry point, no shell wrapper
+    args = operator_main.parser().parse_args(container["args"][1:])
+    assert args.peering and args.priority is None
+    drawn = {operator_main.replica_priority(args.priority) for _ in range(5)}
+    assert len(drawn) > 1 and all(1 <= p <= 1_000_000 for p in drawn)
+    assert operator_main.replica_priority(7) == 7
 
 
 def _keeper_configurations(docs, cert_mode: str):
@@ -129,7 +117,7 @@ def test_agent_ports_match_the_network_policy_and_pod_monitor():
     opened = {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
     assert {ports["grpc"], ports["metrics"]} == opened
     values = chart.helm("show", "values", str(chart.CHART)).stdout
-    for name in ("grpc", "metrics", "rendezvous"):
+    for name in ("grpc", "metrics"):
         assert f"{name}: {ports[name]}" in values, (
             f"agent.ports.{name} differs from the CRD default"
         )

@@ -22,7 +22,7 @@ import pytest
 from tests.agent.harness import Agent
 from tests.agent.plans import make_plan
 from tests.agent.prom import PromServer, free_port
-from tests.chart import chart
+from tests.chart import chart, rbac_eval
 from weightcache import constants as C
 
 DASHBOARD = chart.CHART / "dashboards" / "weightcache.json"
@@ -128,6 +128,20 @@ def _kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
+CACHES = f"/apis/{C.API_VERSION}/namespaces/default/{C.PLURAL}"
+
+
+def _cache(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    meta = {
+        "name": name,
+        "namespace": "default",
+        "uid": str(uuid.uuid4()),
+        "resourceVersion": "1",
+        "generation": 1,
+    }
+    return {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": meta, "spec": spec}
+
+
 def _review(url: str, ctx: ssl.SSLContext, hook: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(
         f"{url}/{hook}",
@@ -168,8 +182,19 @@ async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
     plan = make_plan(runtime="native", tensor=1, model=str(ckpt), spec_extra={"device": "cpu"})
     agent = Agent(tmp_path, plan).start()
 
-    # 2. The real operator process against kmock, webhooks on loopback.
+    # 2. The real operator process against kmock, webhooks on loopback. The chart's own
+    # Secret and webhook configurations are there first, as after `helm install`.
     _declare_api(kmock)
+    chart_docs = chart.render()
+    for doc in chart_docs:
+        if doc["kind"] == "Secret":
+            url = f"/api/v1/namespaces/{doc['metadata']['namespace']}/secrets"
+        elif doc["kind"].endswith("WebhookConfiguration"):
+            url = f"/apis/admissionregistration.k8s.io/v1/{doc['kind'].lower()}s"
+        else:
+            continue
+        async with kmock.post(url, json=doc) as resp:
+            assert resp.status < 300, await resp.text()
     kubeconfig = _kubeconfig(tmp_path / "kubeconfig", str(kmock.url).rstrip("/"))
     metrics_port, webhook_port = free_port(), free_port()
     certs = tmp_path / "certs"
@@ -208,27 +233,33 @@ async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
     prom = None
     try:
         await _wait_http(f"http://127.0.0.1:{metrics_port}/metrics", operator, op_log)
-        # A cache to reconcile (no nodes: it stays Unschedulable, which is a phase too).
-        cache = {
-            "apiVersion": C.API_VERSION,
-            "kind": C.KIND,
-            "metadata": {
-                "name": "llama",
-                "namespace": "default",
-                "uid": str(uuid.uuid4()),
-                "resourceVersion": "1",
-                "generation": 1,
-            },
-            "spec": {
+        # One node and two caches: "llama" selects no node and stays Unschedulable, "placed"
+        # gets its plan ConfigMap, rendezvous Service and agent DaemonSet on the node.
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": "node-a", "uid": str(uuid.uuid4()), "labels": {}},
+            "spec": {},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        async with kmock.post("/api/v1/nodes", json=node) as resp:
+            assert resp.status < 300, await resp.text()
+        model = {"path": "/models/tiny", "volume": {"hostPath": {"path": "/m"}}}
+        cache = _cache(
+            "llama",
+            {
                 "runtime": "native",
                 "device": "cpu",
-                "model": {"path": "/models/tiny", "volume": {"hostPath": {"path": "/m"}}},
+                "model": model,
+                "placement": {"nodeSelector": {"pool": "none"}},
             },
-        }
-        async with kmock.post(
-            f"/apis/{C.API_VERSION}/namespaces/default/{C.PLURAL}", json=cache
-        ) as resp:
-            assert resp.status < 300, await resp.text()
+        )
+        for body in (
+            cache,
+            _cache("placed", {"runtime": "native", "device": "cpu", "model": model}),
+        ):
+            async with kmock.post(CACHES, json=body) as resp:
+                assert resp.status < 300, await resp.text()
 
         # Admission reviews over real HTTPS, verified against the CA the operator issued.
         deadline = time.monotonic() + 60
@@ -342,7 +373,8 @@ async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
         expiry = by("Webhook certificate expires in [A]")
         assert 300 * 86400 < next(iter(expiry.values())) <= 366 * 86400
         phases = {k: v for k, v in by("Caches by phase [A]").items()}
-        assert sum(phases.values()) == 1.0
+        assert sum(phases.values()) == 2.0
+        assert phases["phase=Unschedulable"] == 1.0
 
         # The shipped alerts evaluate on the same series: the unschedulable cache and the
         # half-refused attaches are pending alerts (their `for:` keeps them from firing yet).
@@ -361,6 +393,51 @@ async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
         assert seen["WeightCacheDegraded"]["phase"] in {"Unschedulable", "Degraded", "Invalid"}
         assert seen["WeightCacheFallbackRateHigh"]["cache"] == "llama"
         assert "WeightCacheRankDown" not in seen and "WeightCacheWebhookErrors" not in seen
+
+        # The placed cache owns its objects; deleting it makes the operator remove them.
+        async def get(url: str) -> int:
+            async with kmock.get(url) as resp:
+                return resp.status
+
+        ds_url = "/apis/apps/v1/namespaces/default/daemonsets/placed-agent"
+        assert await get(ds_url) == 200
+        async with kmock.delete(f"{CACHES}/placed") as resp:
+            assert resp.status < 300, await resp.text()
+        deadline = time.monotonic() + 30
+        while await get(f"{CACHES}/placed") != 404 or await get(ds_url) != 404:
+            assert time.monotonic() < deadline, "the operator did not finish the deletion"
+            await asyncio.sleep(0.2)
+
+        # Every API request the operator made is allowed by the chart's RBAC.
+        roles = [d for d in chart_docs if d["kind"] in ("ClusterRole", "Role")]
+        roles = [r for r in roles if r["metadata"]["name"].endswith("-operator")]
+        made = set()
+        for request in list(kmock):
+            if request.headers.get("Authorization") != "Bearer test":
+                continue  # the test's own requests
+            method = request.method.value
+            attrs = rbac_eval.attributes(method, request.url.path, request.params)
+            if attrs is not None:
+                made.add(attrs)
+        denied = sorted(str(a) for a in made if not rbac_eval.allowed(a, roles))
+        assert not denied, denied
+        used = {(a.verb, a.resource) for a in made}
+        assert {
+            ("watch", "weightcaches"),
+            ("patch", "weightcaches/status"),
+            ("patch", "secrets"),
+            ("patch", "mutatingwebhookconfigurations"),
+            ("patch", "validatingwebhookconfigurations"),
+            ("create", "events"),
+            ("watch", "nodes"),
+            ("watch", "pods"),
+            ("create", "daemonsets"),
+            ("create", "services"),
+            ("create", "configmaps"),
+            ("delete", "daemonsets"),
+            ("delete", "services"),
+            ("delete", "configmaps"),
+        } <= used, sorted(used)
         # Grafana's template variables resolve through the label values API.
         assert "default" in await asyncio.to_thread(
             prom.api, "label/namespace/values", **{"match[]": "weightcache_rank_ready"}

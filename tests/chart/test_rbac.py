@@ -114,3 +114,47 @@ def test_agents_get_no_api_access(default_docs):
     )
     ds = resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "params", "expected"),
+    [
+        ("GET", "/apis/weightcache.io/v1alpha1/weightcaches", {"watch": "true"}, True),
+        ("PATCH", "/apis/weightcache.io/v1alpha1/namespaces/a/weightcaches/x/status", {}, True),
+        (
+            "PATCH",
+            "/api/v1/namespaces/weightcache-system/secrets/weightcache-webhook-tls",
+            {},
+            True,
+        ),
+        ("GET", "/api/v1/namespaces/weightcache-system/secrets/other", {}, False),
+        ("GET", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
+        ("PATCH", "/api/v1/namespaces/elsewhere/secrets/weightcache-webhook-tls", {}, False),
+        ("POST", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
+        ("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", {}, False),
+        (
+            "PATCH",
+            "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/x",
+            {},
+            False,
+        ),
+        ("PATCH", "/apis/kopf.dev/v1/clusterkopfpeerings/weightcache", {}, True),
+        ("PATCH", "/apis/kopf.dev/v1/clusterkopfpeerings/someone-else", {}, False),
+        ("DELETE", "/api/v1/nodes/n1", {}, False),
+        ("PUT", "/apis/apps/v1/namespaces/a/daemonsets/x", {}, False),
+        ("POST", "/apis/apps/v1/namespaces/a/daemonsets", {}, True),
+        ("GET", "/apis/apps/v1/namespaces/a/daemonsets", {"watch": "1"}, False),
+        ("DELETE", "/api/v1/namespaces/a/configmaps", {}, False),
+    ],
+)
+def test_authorizer_on_the_default_roles(method, path, params, expected):
+    """The authorizer the live test uses to check the operator's real requests, on cases
+    that must and must not pass."""
+    from tests.chart import rbac_eval
+
+    roles = [d for d in rendered("default") if d["kind"] in ROLE_KINDS]
+    roles = [r for r in roles if r["metadata"]["name"].endswith("-operator")]
+    attrs = rbac_eval.attributes(method, path, params)
+    assert attrs is not None
+    assert rbac_eval.allowed(attrs, roles) is expected
+    assert rbac_eval.attributes("GET", "/apis/weightcache.io/v1alpha1", {}) is None
