@@ -44,6 +44,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 1.0
+MAX_REFRESHED = 4096  # re-read copies kept at most (bounded memory)
 MAX_EVENT_MESSAGE = 1024
 MAX_PENDING_EVENTS = 100
 
@@ -52,6 +53,7 @@ MAX_PENDING_EVENTS = 100
 class IndexedCache:
     view: mutate.CacheView
     ref: dict[str, str]
+    at: float = field(default_factory=time.monotonic)  # when this copy was read
 
 
 @dataclass
@@ -60,6 +62,8 @@ class _State:
     api: Any = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     events_sent: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # Copies re-read because the index's was older than config.index_max_age_s.
+    refreshed: dict[tuple[str, str], IndexedCache] = field(default_factory=dict)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -95,20 +99,37 @@ def _pod_label(pod: dict[str, Any]) -> str:
 
 
 async def _lookup(state: _State, index: Any, namespace: str, name: str) -> IndexedCache | None:
-    """The index first; on a miss (a cache created a moment ago, or a replica whose watch is
-    paused by leader election) one GET, so a miss never wrongly skips injection."""
-    store = index.get((namespace, name)) if index is not None else None
-    if store:
-        return next(iter(store))
+    """The index first, while its copy is younger than `index_max_age_s`; else one GET.
+
+    A miss is a cache created a moment ago, or a replica whose watch never ran. An old copy
+    may be stale: kopf stops the watches of a replica that peering pauses (a standby), so its
+    index keeps whatever it held when it stopped being the leader. Re-reading old copies bounds
+    how stale an answer can be on any replica, at one GET per cache and period on the leader.
+    """
+    key = (namespace, name)
+    store = index.get(key) if index is not None else None
+    indexed = next(iter(store)) if store else None
+    now = time.monotonic()
+    max_age = state.config.index_max_age_s
+    for copy in (indexed, state.refreshed.get(key)):
+        if copy is not None and now - copy.at <= max_age:
+            return copy
     if state.api is None:
-        return None
+        return indexed
     path = f"/apis/{C.GROUP}/{C.VERSION}/namespaces/{namespace}/{C.PLURAL}/{name}"
     try:
         obj = await asyncio.wait_for(state.api.get(path), LOOKUP_TIMEOUT_S)
     except (TimeoutError, ApiError, OSError, aiohttp.ClientError) as exc:
         logger.warning("looking up WeightCache %s/%s failed: %s", namespace, name, exc)
+        return indexed or state.refreshed.get(key)  # an old copy beats skipping injection
+    if not obj:
+        state.refreshed.pop(key, None)
         return None
-    return _indexed(obj) if obj else None
+    fresh = _indexed(obj)
+    if len(state.refreshed) >= MAX_REFRESHED:
+        state.refreshed.clear()
+    state.refreshed[key] = fresh
+    return fresh
 
 
 async def _post_event(state: _State, ref: dict[str, str], reason: str, message: str) -> None:

@@ -55,6 +55,7 @@ class AdmissionConfig:
     failure_policy: str = "Ignore"
     excluded_namespaces: tuple[str, ...] = ("kube-system",)
     event_dedupe_s: float = 300.0  # one mismatch event per cache and message in this window
+    index_max_age_s: float = 60.0  # older index copies of a cache are re-read (standbys)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> AdmissionConfig:
@@ -72,6 +73,7 @@ class AdmissionConfig:
             configuration_name=args.webhook_configuration,
             timeout_seconds=args.webhook_timeout,
             failure_policy=args.webhook_failure_policy,
+            index_max_age_s=args.webhook_index_max_age,
         )
 
     def dns_names(self) -> list[str]:
@@ -121,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--webhook-configuration", default=d.configuration_name)
     g.add_argument("--webhook-timeout", type=int, default=d.timeout_seconds)
     g.add_argument("--webhook-failure-policy", choices=("Ignore", "Fail"), default="Ignore")
+    g.add_argument(
+        "--webhook-index-max-age",
+        type=float,
+        default=d.index_max_age_s,
+        help="seconds after which a cache's indexed copy is re-read before use (bounds how "
+        "stale a standby replica's answers can be)",
+    )
 
 
 def _namespace_selector(config: AdmissionConfig) -> dict[str, Any]:

@@ -111,8 +111,18 @@ def test_final_stages_are_non_root_without_build_tools(name):
         for run in stage.all("RUN"):
             assert not BUILD_TOOLS.search(run), f"{stage.name}: build tool in {run!r}"
             assert "apt-get install" not in run and "apk add" not in run
-        # The images start the project's CLI with the interpreter the operator calls.
-        assert stage.all("ENTRYPOINT") == ['["python3", "-m", "weightcache.cli"]']
+        # The images start the project's CLI with the interpreter the operator calls; in the
+        # vLLM image, with the agent's own packages first on sys.path (where the operator's
+        # init container would put them too), so vLLM's environment stays untouched.
+        if stage.name == "vllm":
+            from weightcache.operator.resources import AGENT_LIB_DIR
+
+            (entry,) = stage.all("ENTRYPOINT")
+            assert entry.startswith('["python3", "-c", ')
+            assert f"sys.path.insert(0, '{AGENT_LIB_DIR}')" in entry
+            assert any(f"--target {AGENT_LIB_DIR}" in run for run in stage.all("RUN"))
+        else:
+            assert stage.all("ENTRYPOINT") == ['["python3", "-m", "weightcache.cli"]']
 
 
 def test_native_agent_puts_the_venv_python_first():
