@@ -25,6 +25,8 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from weightcache.operator import emulator
+
 from weightcache import constants as C
 
 HARNESS_AGENT = "weightcache-bench"
@@ -167,27 +169,14 @@ async def _fleet(fleet: int, sizes: list[int], resync_s: float) -> list[dict[str
 
     rows = []
     async with _emulator_class()() as k8s, kmock.Server(k8s):
-        k8s.resources.load_bundled()
-        k8s.resources[f"{C.GROUP}/{C.VERSION}/{C.PLURAL}"] = kmock.ResourceInfo(
-            kind=C.KIND,
-            singular=C.SINGULAR,
-            namespaced=True,
-            verbs={"get", "list", "watch", "create", "patch", "delete"},
-            subresources={"status"},
-        )
+        emulator.declare_api(k8s)
         async with aiohttp.ClientSession() as session:
             h = _Harness(k8s, session)
             for i in range(fleet):
                 await h.call("POST", "/api/v1/nodes", _node(f"gpu-{i:04d}", 8))
             with tempfile.TemporaryDirectory() as tmp:
                 kubeconfig = os.path.join(tmp, "kubeconfig")
-                with open(kubeconfig, "w") as fh:
-                    fh.write(
-                        "apiVersion: v1\nkind: Config\ncurrent-context: b\n"
-                        f"clusters: [{{name: b, cluster: {{server: '{h.base}'}}}}]\n"
-                        "users: [{name: b, user: {token: bench}}]\n"
-                        "contexts: [{name: b, context: {cluster: b, user: b}}]\n"
-                    )
+                emulator.write_kubeconfig(kubeconfig, h.base, token="bench")
                 port = _free_port()
                 t_start = time.perf_counter()
                 proc = await asyncio.create_subprocess_exec(

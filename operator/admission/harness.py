@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import kopf
-from weightcache.operator import admission
+from weightcache.operator import admission, emulator
 from weightcache.operator.admission.config import INDEX_ID, MUTATE_ID, VALIDATE_ID, AdmissionConfig
 from weightcache.operator.kube import Kube
 
@@ -131,15 +131,7 @@ class LocalWebhook:
 
         self._stop = asyncio.Event()
         async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s):
-            k8s.resources.load_bundled()
-            k8s.resources[f"{C.GROUP}/{C.VERSION}/{C.PLURAL}"] = kmock.ResourceInfo(
-                kind=C.KIND,
-                singular=C.SINGULAR,
-                namespaced=True,
-                shortnames={C.SHORT_NAME},
-                subresources={"status"},
-                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-            )
+            emulator.declare_api(k8s)
             self.kmock = k8s
             server = str(k8s.url).rstrip("/")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import kmock as kmock_lib
+from weightcache.operator import emulator
 from weightcache.operator.admission.harness import decode_patch, free_port, review_request
 
 from tests.admission import pods
@@ -42,23 +42,9 @@ def _tail(path: Path) -> str:
 
 
 async def test_operator_cli_serves_injection_and_validation(kmock: Any, tmp_path: Path) -> None:
-    kmock.resources.load_bundled()
-    kmock.resources[f"{C.GROUP}/{C.VERSION}/{C.PLURAL}"] = kmock_lib.ResourceInfo(
-        kind=C.KIND,
-        singular=C.SINGULAR,
-        namespaced=True,
-        shortnames={C.SHORT_NAME},
-        subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "delete"},
-    )
+    emulator.declare_api(kmock)
     server = str(kmock.url).rstrip("/")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{server}'}}}}]\n"
-        "users: [{name: kmock, user: {token: test}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: kmock}}]\n"
-    )
+    kubeconfig = emulator.write_kubeconfig(tmp_path / "kubeconfig", server)
     cache = cache_obj()
     async with aiohttp.ClientSession() as api:
         base = f"{server}/apis/{C.GROUP}/{C.VERSION}/namespaces/serving/{C.PLURAL}"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from weightcache.operator import emulator
 
 from tests.agent.harness import Agent
 from tests.agent.plans import make_plan
@@ -105,27 +106,11 @@ def test_every_metric_the_dashboard_uses_is_documented():
 
 
 def _declare_api(kmock: Any) -> None:
-    import kmock as kmock_module
-
-    kmock.resources.load_bundled()
-    kmock.resources[f"{C.GROUP}/{C.VERSION}/{C.PLURAL}"] = kmock_module.ResourceInfo(
-        kind=C.KIND,
-        singular=C.SINGULAR,
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"},
-        shortnames={C.SHORT_NAME},
-        subresources={"status"},
-    )
+    emulator.declare_api(kmock)
 
 
 def _kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{server}'}}}}]\n"
-        "users: [{name: kmock, user: {token: test}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: kmock, namespace: default}}]\n"
-    )
-    return path
+    return emulator.write_kubeconfig(path, server, namespace="default")
 
 
 CACHES = f"/apis/{C.API_VERSION}/namespaces/default/{C.PLURAL}"

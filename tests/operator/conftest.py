@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from weightcache.operator import handlers, main
+from weightcache.operator import emulator, handlers, main
 
 from weightcache import constants as C
 
@@ -182,26 +182,11 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s; last value: {last!r}")
 
 
-def declare_api(kmock: Any) -> None:
-    """Glue: kmock serves only declared resources (a CRD object is not enough)."""
-    kmock.resources.load_bundled()
-    kmock.resources[f"{C.GROUP}/{C.VERSION}/{C.PLURAL}"] = kmock.ResourceInfo(
-        kind=C.KIND,
-        singular=C.SINGULAR,
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"},
-        shortnames={C.SHORT_NAME},
-        subresources={"status"},
-    )
+declare_api = emulator.declare_api
 
 
 def write_kubeconfig(path: Any, server: str) -> None:
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{server}'}}}}]\n"
-        "users: [{name: kmock, user: {token: test}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: kmock, namespace: default}}]\n"
-    )
+    emulator.write_kubeconfig(path, server, namespace="default")
 
 
 @pytest.fixture
