@@ -277,11 +277,19 @@ async def test_not_enough_nodes_is_unschedulable_with_counts(cluster, operator):
     await cluster.add_node("small", gpus=4)
     await cluster.add_node("down", ready=False)
     await cluster.create_cache("big", TP16)
-    status = await phase_is(cluster, "big", "Unschedulable")
-    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    await phase_is(cluster, "big", "Unschedulable")
+
+    async def counted_every_node():
+        # The operator may place before its node index has seen all three nodes; a node
+        # arriving later re-runs placement, and the message then counts it.
+        status = await cluster.status("big")
+        progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+        message = progressing["message"]
+        return progressing if "1 NotEnoughGPUs" in message and "1 NotReady" in message else None
+
+    progressing = await eventually(counted_every_node)
     assert (progressing["status"], progressing["reason"]) == ("False", "Unschedulable")
     assert "need 2 eligible nodes, found 1 (1 missing)" in progressing["message"]
-    assert "1 NotEnoughGPUs" in progressing["message"] and "1 NotReady" in progressing["message"]
     assert await cluster.get(ds_url("big")) is None
     # A second suitable node appears: the cache is placed.
     await cluster.add_node("gpu-b")
