@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import Any
 from weightcache.operator import emulator
 
 from weightcache import constants as C
+from weightcache.devtools.ports import free_port
 
 HARNESS_AGENT = "weightcache-bench"
 NS = "default"
@@ -145,11 +145,6 @@ class _Harness:
             )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 async def _metric(session: Any, port: int, name: str) -> float:
     """One sample of the operator's /metrics (sum over label sets)."""
@@ -177,7 +172,7 @@ async def _fleet(fleet: int, sizes: list[int], resync_s: float) -> list[dict[str
             with tempfile.TemporaryDirectory() as tmp:
                 kubeconfig = os.path.join(tmp, "kubeconfig")
                 emulator.write_kubeconfig(kubeconfig, h.base, token="bench")
-                port = _free_port()
+                port = free_port()
                 t_start = time.perf_counter()
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable,

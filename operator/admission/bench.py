@@ -148,7 +148,7 @@ def _serve_echo(conn: Any) -> None:
             app.add_routes([aiohttp.web.post("/{id:.*}", handle)])
             runner = aiohttp.web.AppRunner(app, handle_signals=False)
             await runner.setup()
-            from weightcache.operator.admission.harness import free_port
+            from weightcache.devtools.ports import free_port
 
             port = free_port()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", port, ssl_context=ctx).start()

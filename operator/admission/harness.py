@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import ssl
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from weightcache.operator.admission.config import INDEX_ID, MUTATE_ID, VALIDATE_
 from weightcache.operator.kube import Kube
 
 from weightcache import constants as C
+from weightcache.devtools.ports import free_port
 
 NAMESPACE = "weightcache-system"
 RESOURCES = {
@@ -36,11 +36,6 @@ RESOURCES = {
     C.PLURAL: {"group": C.GROUP, "version": C.VERSION, "resource": C.PLURAL, "kind": C.KIND},
 }
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def review_request(

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from weightcache.agent.proto import agent_pb2, agent_pb2_grpc
 
-from tests.agent.prom import free_port
+from weightcache.devtools.ports import free_port
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -25,11 +24,7 @@ from typing import Any
 
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from weightcache.devtools.ports import free_port
 
 
 def prometheus_binary() -> str | None:

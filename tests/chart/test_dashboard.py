@@ -22,9 +22,10 @@ from weightcache.operator import emulator
 
 from tests.agent.harness import Agent
 from tests.agent.plans import make_plan
-from tests.agent.prom import PromServer, free_port
+from tests.agent.prom import PromServer
 from tests.chart import chart, rbac_eval
 from weightcache import constants as C
+from weightcache.devtools.ports import free_port
 
 DASHBOARD = chart.CHART / "dashboards" / "weightcache.json"
 RULES = chart.CHART / "alerts" / "weightcache.rules.yaml"

@@ -6,23 +6,17 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 
 import aiohttp
 
 from tests.operator.conftest import eventually
 from tests.operator.test_operator import TP16
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from weightcache.devtools.ports import free_port
 
 
 async def test_operator_process_serves_metrics_and_health(cluster, tmp_path):
-    metrics_port, health_port = _port(), _port()
+    metrics_port, health_port = free_port(), free_port()
     log = tmp_path / "operator.log"
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
