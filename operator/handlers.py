@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from weightcache.operator import agentstatus
+from weightcache.operator import agentstatus, events
 from weightcache.operator import nodes as node_labels
 from weightcache.operator import resources as R
 from weightcache.operator import status as S
@@ -347,33 +346,12 @@ class Controller:
         """Post a core/v1 Event about the cache (best effort: a lost event is only logged)."""
         assert self.kube is not None
         meta = body["metadata"]
-        stamp = S.now()
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                # Unique names instead of generateName: one POST, nothing to read back.
-                "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-                "namespace": meta["namespace"],
-            },
-            "involvedObject": {
-                "apiVersion": C.API_VERSION,
-                "kind": C.KIND,
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid", ""),
-            },
-            "type": kind,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": EVENT_SOURCE},
-            "reportingComponent": EVENT_SOURCE,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
+        event = events.event_body(
+            events.cache_ref(meta), type_=kind, reason=reason, message=message,
+            component=EVENT_SOURCE,
+        )
         try:
-            await self.kube.create(path("v1", "events", meta["namespace"]), event)
+            await self.kube.create(events.events_path(meta["namespace"]), event)
         except (TimeoutError, ApiError, OSError) as exc:
             logging.getLogger(__name__).warning("event %s not posted: %s", reason, exc)
 

@@ -10,7 +10,6 @@ pure functions in `mutate` and `validate`.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 import socket
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from weightcache.operator import events
 from weightcache.operator.admission import keeper, metrics, mutate, validate
 from weightcache.operator.admission.config import (
     INDEX_ID,
@@ -45,7 +45,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 LOOKUP_TIMEOUT_S = 1.0
 MAX_REFRESHED = 4096  # re-read copies kept at most (bounded memory)
-MAX_EVENT_MESSAGE = 1024
 MAX_PENDING_EVENTS = 100
 
 
@@ -80,13 +79,7 @@ def _indexed(body: Any) -> IndexedCache:
     }
     return IndexedCache(
         view=mutate.CacheView.from_object(raw),
-        ref={
-            "apiVersion": C.API_VERSION,
-            "kind": C.KIND,
-            "name": meta.get("name", ""),
-            "namespace": meta.get("namespace", ""),
-            "uid": meta.get("uid", ""),
-        },
+        ref=events.cache_ref(meta),
     )
 
 
@@ -133,25 +126,17 @@ async def _lookup(state: _State, index: Any, namespace: str, name: str) -> Index
 
 
 async def _post_event(state: _State, ref: dict[str, str], reason: str, message: str) -> None:
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        # Named like the API server's own events (object name + hex time): unique, sortable.
-        "metadata": {"name": f"{ref['name']}.{time.time_ns():x}", "namespace": ref["namespace"]},
-        "involvedObject": ref,
-        "type": "Warning",
-        "reason": reason,
-        "message": message[:MAX_EVENT_MESSAGE],
-        "source": {"component": "weightcache-webhook"},
-        "reportingComponent": f"{C.GROUP}/webhook",
-        "reportingInstance": socket.gethostname(),
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
+    body = events.event_body(
+        ref,
+        type_="Warning",
+        reason=reason,
+        message=message,
+        component="weightcache-webhook",
+        reporting_component=f"{C.GROUP}/webhook",
+        reporting_instance=socket.gethostname(),
+    )
     try:
-        await state.api.create(f"/api/v1/namespaces/{ref['namespace']}/events", body)
+        await state.api.create(events.events_path(ref["namespace"]), body)
     except Exception as exc:  # an event is best effort; admission already answered
         logger.warning("posting event on WeightCache %s failed: %s", ref.get("name"), exc)
 
