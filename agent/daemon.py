@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from . import fingerprint as fp
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
 from .identity import device_identity, socket_path
+from .lifetime import request_parent_death_signal
 from .security import (
     AlreadyRunningError,
     SecurityError,
@@ -347,12 +347,7 @@ class RankServer:
 
 def _die_with_parent(parent_pid: int | None) -> None:
     """Ask the kernel for SIGTERM when the launcher dies, so ranks never outlive it."""
-    if parent_pid is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    if parent_pid is not None and not request_parent_death_signal(parent_pid):
         raise Stop()
 
 

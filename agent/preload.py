@@ -30,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .layout import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from .lifetime import request_parent_death_signal
 
 log = logging.getLogger("weightcache.preload")
 
@@ -215,12 +216,9 @@ def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """SIGTERM us when the parent dies (Linux PR_SET_PDEATHSIG), so a supervisor that is
-    killed outright never leaves ranks holding the device's sockets and locks."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
+    """SIGTERM us when the parent dies, so a supervisor that is killed outright never leaves
+    ranks holding the device's sockets and locks (`agent/lifetime.py`)."""
+    if not request_parent_death_signal(parent):
         os.kill(os.getpid(), signal.SIGTERM)
 
 

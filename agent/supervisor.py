@@ -17,11 +17,11 @@ Failure policy:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightcache.agent.config import AgentConfig
+from weightcache.agent.lifetime import exiting_with_parent
 from weightcache.agent.runtimes.base import RankSpec, Runtime, http_health
 
 log = logging.getLogger("weightcache.agent.supervisor")
@@ -243,10 +244,15 @@ class Supervisor:
         env = {k: v for k, v in {**os.environ, **self.runtime.environment()}.items()
                if v is not None}
         self._next_launch = None
+        if shutil.which(argv[0], path=env.get("PATH")) is None:
+            self._fatal(EXIT_RUNTIME, f"runtime binary not found: {argv[0]}")
+            return
         try:
             self._check_ports()
-            self._child = subprocess.Popen(argv, env=env, start_new_session=True,
-                                           stdin=subprocess.DEVNULL, preexec_fn=_die_with_agent)
+            # No preexec_fn in this threaded process: the launcher is started through a shim
+            # that asks for SIGTERM should the agent die without stopping it (lifetime.py).
+            self._child = subprocess.Popen(exiting_with_parent(argv), env=env,
+                                           start_new_session=True, stdin=subprocess.DEVNULL)
         except FileNotFoundError:
             self._fatal(EXIT_RUNTIME, f"runtime binary not found: {argv[0]}")
             return
@@ -459,27 +465,6 @@ class Supervisor:
                 if info.st_uid == uid and not stat.S_ISDIR(info.st_mode):
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()  # resolved before any fork: the child only calls it
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_agent() -> None:
-    """In the forked child: SIGTERM the launcher if the agent dies without stopping it.
-
-    In a pod the container's death already ends every process; this covers an agent killed
-    with SIGKILL outside a container, so a launcher (its own session) is never orphaned.
-    """
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PortInUse(Exception):

@@ -1,0 +1,52 @@
+"""Child processes that never outlive their parent (Linux PR_SET_PDEATHSIG).
+
+The agent supervises the daemon launcher and the launcher supervises its ranks; in a pod
+the container's end stops them all, but outside one a supervisor killed with SIGKILL would
+leave ranks holding the device's sockets and locks. Each child therefore asks the kernel
+for SIGTERM when its parent dies.
+
+A child started from a threaded process (the agent runs gRPC threads) must not do this in a
+`preexec_fn`: Python code between fork and exec runs the at-fork hooks of every library
+(gRPC's among them) in a copy of a process whose other threads vanished, which can deadlock
+or crash the child. `exiting_with_parent` instead puts a tiny interpreter in front of the
+command that asks for the signal and then execs it; the request survives the exec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+# Runs as `python -S -c SHIM <parent pid> <command...>`: no site import, stdlib only.
+SHIM = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    print(f'cannot run {sys.argv[2]}: {exc}', file=sys.stderr)\n"
+    "    sys.exit(127)\n"
+)
+
+
+def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Ask for `sig` when the parent dies; False if `parent_pid` is already gone.
+
+    The parent may die between our start and the request, in which case no signal will
+    come: the caller must stop by itself when this returns False.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    return os.getppid() == parent_pid
+
+
+def exiting_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it gets SIGTERM when this process dies."""
+    return [sys.executable, "-S", "-c", SHIM, str(os.getpid()), *argv]
