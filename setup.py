@@ -29,6 +29,6 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir=ROOTS,
-    package_data={"weightcache.agent": ["proto/*.proto"], "weightcache.operator": ["*.json"]},
+    package_data={"weightcache.contracts": ["proto/*.proto"], "weightcache.operator": ["*.json"]},
     include_package_data=True,
 )

@@ -1,0 +1,11 @@
+"""The node agent: the process in each agent pod of a WeightCache group (`weightcache agent`).
+
+It reads its configuration (downward API, the placement plan), launches the runtime's daemon
+launcher (`runtimes/`: `vllm preload` or the native `weightcache preload`), supervises its
+ranks (`supervisor`), and serves gRPC status and health (`grpc_service`), HTTP probes
+(`health`) and Prometheus metrics (`metrics`).
+
+May import: `weightcache.constants`, `weightcache.contracts`, and `weightcache.native` (its
+protocol, identity and process helpers, to supervise native ranks). Never the operator,
+`bench` or `testing`: agents and the operator meet only through the plan and the gRPC API.
+"""

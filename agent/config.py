@@ -265,7 +265,7 @@ def discover_devices(
     """
     env = os.environ if environ is None else environ
     if kind == "cpu":
-        from weightcache.agent.identity import cpu_identity
+        from weightcache.native.identity import cpu_identity
 
         return [Device(index=i, uuid=cpu_identity(i), kind="cpu") for i in range(count)]
     visible = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()

@@ -13,11 +13,11 @@ from concurrent import futures
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from weightcache.agent.config import AgentConfig
-from weightcache.agent.proto import agent_pb2, agent_pb2_grpc
-from weightcache.agent.supervisor import State, Supervisor
 
 from weightcache import __version__
+from weightcache.agent.config import AgentConfig
+from weightcache.agent.supervisor import State, Supervisor
+from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("weightcache.agent.grpc")
 SERVICE = "weightcache.agent.v1.Agent"

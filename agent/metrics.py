@@ -21,10 +21,10 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from weightcache.agent.config import AgentConfig
-from weightcache.agent.supervisor import Snapshot, State, Supervisor
 
 from weightcache import __version__
+from weightcache.agent.config import AgentConfig
+from weightcache.agent.supervisor import Snapshot, State, Supervisor
 
 RANK_LABELS = ["cache", "namespace", "node", "rank", "tp_rank", "dp_rank", "gpu_uuid", "role"]
 # Daemon results folded into three values so a misbehaving peer cannot grow label sets.

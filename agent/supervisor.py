@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightcache.agent.config import AgentConfig
-from weightcache.agent.lifetime import exiting_with_parent
 from weightcache.agent.runtimes.base import RankSpec, Runtime, http_health
+from weightcache.native.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
 

@@ -46,7 +46,7 @@ trap cleanup EXIT
 
 echo "e2e: generating the checkpoint in $MODELS/tiny-llama"
 "$PYTHON" -c 'import sys
-from weightcache.demo import TINY, write_llama_checkpoint
+from weightcache.bench.demo import TINY, write_llama_checkpoint
 write_llama_checkpoint(sys.argv[1], TINY)' "$MODELS/tiny-llama"
 chmod -R a+rX "$MODELS"
 

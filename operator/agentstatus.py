@@ -19,7 +19,8 @@ async def node_bytes(address: str, timeout_s: float) -> int | None:
     """Bytes held by the ranks of one agent (`host:port`), or None when it does not answer."""
     try:
         import grpc
-        from weightcache.agent.proto import agent_pb2, agent_pb2_grpc
+
+        from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
     except ImportError:  # an operator image without the agent's gRPC modules
         return None
     try:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from weightcache.operator import spec as S
 
 from weightcache import constants as C
+from weightcache.operator import spec as S
 
 CRD_FILENAME = f"{C.GROUP}_{C.PLURAL}.yaml"
 PHASES = ["Pending", "Placing", "Loading", "Ready", "Degraded", "Invalid", "Unschedulable"]

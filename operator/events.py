@@ -10,9 +10,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from weightcache.operator.status import now
-
 from weightcache import constants as C
+from weightcache.operator.status import now
 
 MAX_MESSAGE = 1024
 

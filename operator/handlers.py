@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
+from weightcache import constants as C
 from weightcache.operator import agentstatus, events
 from weightcache.operator import nodes as node_labels
 from weightcache.operator import resources as R
@@ -31,8 +33,6 @@ from weightcache.operator.kube import ApiError, Kube, login, path
 from weightcache.operator.metrics import OperatorMetrics
 from weightcache.operator.placement import NodeInfo, place, ranks_per_node
 from weightcache.operator.spec import layout, validate, with_defaults
-
-from weightcache import constants as C
 
 registry = kopf.OperatorRegistry()
 EVENT_SOURCE = "weightcache-operator"

@@ -16,6 +16,7 @@ import sys
 from types import ModuleType
 
 import kopf
+
 from weightcache.operator import handlers
 from weightcache.operator.metrics import serve as serve_metrics
 from weightcache.operator.resources import DEFAULT_AGENT_IMAGE, AgentOptions

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from weightcache.operator.kube import Kube, path
-
 from weightcache.constants import node_ready_label
+from weightcache.operator.kube import Kube, path
 
 READY_VALUE = "ready"
 

@@ -19,11 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache.operator.placement import data_start_rank, needs_gpus, node_slots
-from weightcache.operator.spec import Layout
-
 from weightcache import __version__
 from weightcache import constants as C
+from weightcache.operator.placement import data_start_rank, needs_gpus, node_slots
+from weightcache.operator.spec import Layout
 
 ANN_PLAN_HASH = f"{C.GROUP}/plan-hash"
 AGENT_CONTAINER = "agent"

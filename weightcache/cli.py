@@ -10,10 +10,10 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "preload": ("weightcache.agent.preload", "native weight cache daemon (one rank per device)"),
-    "attach": ("weightcache.agent.attach", "attach like a restarting engine, print one JSON line"),
-    "bench": ("weightcache.bench", "benchmarks: attach vs. disk load, operator, admission"),
-    "demo": ("weightcache.demo", "end-to-end demo on a generated checkpoint"),
+    "preload": ("weightcache.native.launcher", "native weight cache daemon (one rank per device)"),
+    "attach": ("weightcache.native.attach", "attach like a restarting engine, print one JSON line"),
+    "bench": ("weightcache.bench.report", "benchmarks: attach vs. disk load, operator, admission"),
+    "demo": ("weightcache.bench.demo", "end-to-end demo on a generated checkpoint"),
     "agent": ("weightcache.agent.main", "node agent: supervise daemon ranks, gRPC, metrics"),
     "operator": ("weightcache.operator.main", "the kopf operator (reconciler and webhooks)"),
     "crds": ("weightcache.operator.crd", "print or write the CustomResourceDefinition YAML"),

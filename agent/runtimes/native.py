@@ -5,8 +5,8 @@ The launcher takes vLLM's parallel flags, so local device i of node r serves glo
 no rendezvous (each computes its shard from the checkpoint), so the agent passes
 `--nnodes/--node-rank` for groups spanning nodes and the DP placement flags for data
 parallelism, and no master address or port. Each rank serves on
-`<socket dir>/<device identity>.sock` (weightcache.agent.identity). Its sockets speak the
-msgpack protocol of weightcache.agent.protocol, so the agent can also read each rank's
+`<socket dir>/<device identity>.sock` (weightcache.native.identity). Its sockets speak the
+msgpack protocol of weightcache.native.protocol, so the agent can also read each rank's
 `stats` (requests, mismatches, attach histogram, watchers) for Prometheus.
 
 Native shards follow tensor-parallel shard rules only: a dense model's DP replicas hold the
@@ -21,11 +21,11 @@ import socket
 import sys
 from typing import Any
 
-from weightcache.agent import protocol
 from weightcache.agent.config import AgentConfig, ConfigError
-from weightcache.agent.identity import socket_path as native_socket_path
-from weightcache.agent.layout import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
+from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.native import protocol
+from weightcache.native.identity import socket_path as native_socket_path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 

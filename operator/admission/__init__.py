@@ -19,6 +19,8 @@ from typing import Any
 
 import aiohttp
 import kopf
+
+from weightcache import constants as C
 from weightcache.operator import events
 from weightcache.operator.admission import keeper, metrics, mutate, validate
 from weightcache.operator.admission.config import (
@@ -31,8 +33,6 @@ from weightcache.operator.admission.config import (
     validating_configuration,
 )
 from weightcache.operator.kube import ApiError, Kube
-
-from weightcache import constants as C
 
 __all__ = [
     "AdmissionConfig",

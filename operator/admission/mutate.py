@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonpatch
-from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
 
 from weightcache import constants as C
+from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
 
 SOCKET_VOLUME = "weightcache-sockets"
 READY_VALUE = "ready"

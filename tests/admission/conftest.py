@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from weightcache.operator.admission.harness import LocalWebhook
+
+from weightcache.testing.webhook import LocalWebhook
 
 _names = itertools.count()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightcache.operator.admission import bench
+from weightcache.bench import admission as bench
 
 
 def test_bench_runs_a_short_load() -> None:

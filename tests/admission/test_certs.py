@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+
 from weightcache.operator.admission import certs
-from weightcache.operator.admission.harness import NAMESPACE, LocalWebhook, review_request
+from weightcache.testing.webhook import NAMESPACE, LocalWebhook, review_request
 
 NAMES = certs.service_names("weightcache-webhook", "weightcache-system")
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from weightcache.operator import admission
 from weightcache.operator.admission import mutate
 from weightcache.operator.admission.config import AdmissionConfig

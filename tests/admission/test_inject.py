@@ -9,9 +9,9 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from weightcache.operator.admission.harness import LocalWebhook, decode_patch
 
 from tests.admission import pods
+from weightcache.testing.webhook import LocalWebhook, decode_patch
 
 SOCKETS = "weightcache-sockets"
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from tests.admission.conftest import cache_obj
 from weightcache.operator import admission
 from weightcache.operator.admission.config import AdmissionConfig
-
-from tests.admission.conftest import cache_obj
 
 
 class CountingApi:

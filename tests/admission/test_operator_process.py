@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from weightcache.operator import emulator
-from weightcache.operator.admission.harness import decode_patch, review_request
 
 from tests.admission import pods
 from tests.admission.conftest import cache_obj
 from weightcache import constants as C
-from weightcache.devtools.ports import free_port
+from weightcache.testing import emulator
+from weightcache.testing.ports import free_port
+from weightcache.testing.webhook import decode_patch, review_request
 
 
 async def _wait_for(path: Path, port: int, proc: asyncio.subprocess.Process) -> None:

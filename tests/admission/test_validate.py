@@ -6,9 +6,9 @@ import copy
 from typing import Any
 
 import pytest
-from weightcache.operator.admission.harness import LocalWebhook
 
 from tests.admission.conftest import cache_obj
+from weightcache.testing.webhook import LocalWebhook
 
 
 def verdict(webhook: LocalWebhook, obj: dict, old: dict | None = None) -> dict:

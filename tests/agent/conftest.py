@@ -15,7 +15,7 @@ from tests.agent.prom import PromServer
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from weightcache.demo import TINY, write_llama_checkpoint
+    from weightcache.testing.checkpoints import TINY, write_llama_checkpoint
 
     return write_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", TINY)
 

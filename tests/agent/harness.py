@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from weightcache.agent.proto import agent_pb2, agent_pb2_grpc
 
-from weightcache.devtools.ports import free_port
+from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
+from weightcache.testing.ports import free_port
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 REPO = Path(__file__).resolve().parents[2]

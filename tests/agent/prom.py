@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from weightcache.devtools.ports import free_port
+from weightcache.testing.ports import free_port
 
 
 def prometheus_binary() -> str | None:

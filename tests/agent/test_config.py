@@ -8,6 +8,8 @@ import os
 import pickle
 
 import pytest
+
+from tests.agent.plans import gpu_uuids, make_plan
 from weightcache.agent.config import (
     AgentEnv,
     ConfigError,
@@ -18,8 +20,6 @@ from weightcache.agent.config import (
 )
 from weightcache.agent.metrics import _Accumulator, result_class
 from weightcache.agent.vllm_probe import safe_loads
-
-from tests.agent.plans import gpu_uuids, make_plan
 
 ENV = {"WEIGHTCACHE_CACHE_NAME": "llama", "WEIGHTCACHE_NAMESPACE": "default",
        "NODE_NAME": "gpu-b", "POD_IP": "10.0.0.7", "WEIGHTCACHE_PLAN": "/x/plan.json"}

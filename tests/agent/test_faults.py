@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 
 import pytest
-from weightcache.agent.supervisor import EXIT_CONFIG, EXIT_DAEMON, EXIT_PORT, EXIT_RUNTIME
 
 from tests.agent.plans import gpu_uuids, make_plan
+from weightcache.agent.supervisor import EXIT_CONFIG, EXIT_DAEMON, EXIT_PORT, EXIT_RUNTIME
 
 
 def vllm_env(vllm_bin: str, n: int = 1, **extra: str) -> dict[str, str]:

@@ -15,19 +15,19 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from weightcache.agent import protocol
-from weightcache.agent.identity import cpu_identity
-from weightcache.agent.proto import agent_pb2
 
 from tests.agent.plans import make_plan
+from weightcache.contracts.proto import agent_pb2
+from weightcache.native import protocol
+from weightcache.native.identity import cpu_identity
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def shard_bytes(ckpt: Path, tp: int) -> list[int]:
-    from weightcache.agent.checkpoint import open_checkpoint, tied_aliases
-    from weightcache.agent.loader import plan_layout
-    from weightcache.agent.sharding import parse_rules
+    from weightcache.native.checkpoint import open_checkpoint, tied_aliases
+    from weightcache.native.loader import plan_layout
+    from weightcache.native.sharding import parse_rules
 
     c = open_checkpoint(str(ckpt))
     aliases = tied_aliases(c)

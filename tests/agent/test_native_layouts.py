@@ -8,17 +8,17 @@ import os
 
 import pytest
 import torch
-from weightcache.agent import preload
-from weightcache.agent.client import attach
-from weightcache.agent.config import AgentEnv, ConfigError, build_config, parse_plan
-from weightcache.agent.identity import cpu_identity
-from weightcache.agent.layout import plan_local_ranks
-from weightcache.agent.proto import agent_pb2
-from weightcache.agent.runtimes import get_runtime
-from weightcache.agent.supervisor import EXIT_CONFIG
-from weightcache.operator import resources, spec
 
 from tests.agent.plans import gpu_uuids, make_plan
+from weightcache.agent.config import AgentEnv, ConfigError, build_config, parse_plan
+from weightcache.agent.runtimes import get_runtime
+from weightcache.agent.supervisor import EXIT_CONFIG
+from weightcache.contracts.proto import agent_pb2
+from weightcache.contracts.ranks import plan_local_ranks
+from weightcache.native import launcher as preload
+from weightcache.native.client import attach
+from weightcache.native.identity import cpu_identity
+from weightcache.operator import resources, spec
 
 SOCK = "/var/run/weightcache/default/llama"
 

@@ -8,12 +8,12 @@ as a readable diff.
 from __future__ import annotations
 
 import pytest
+
+from tests.agent.plans import gpu_uuids, make_plan
 from weightcache.agent import vllm_probe
 from weightcache.agent.config import AgentEnv, ConfigError, build_config, parse_plan
 from weightcache.agent.runtimes import get_runtime
 from weightcache.agent.runtimes.vllm import draft_is_cached
-
-from tests.agent.plans import gpu_uuids, make_plan
 
 SOCK = "/var/run/weightcache/default/llama"
 TAIL = ["--weight-cache-socket-dir", SOCK, "--weight-cache-health-host", "127.0.0.1",

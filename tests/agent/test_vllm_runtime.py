@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from weightcache.agent import vllm_probe
-from weightcache.agent.proto import agent_pb2
-from weightcache.agent.runtimes.base import socket_is_ours
 
 from tests.agent.harness import FAKE_VLLM
 from tests.agent.plans import gpu_uuids, make_plan
+from weightcache.agent import vllm_probe
+from weightcache.agent.runtimes.base import socket_is_ours
+from weightcache.contracts.proto import agent_pb2
 
 PWNED = Path("/tmp/weightcache-fake-vllm-pwned")
 

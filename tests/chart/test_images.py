@@ -177,12 +177,15 @@ def test_wheel_stage_builds_from_the_docker_context(tmp_path):
     context = tmp_path / "context"
     context.mkdir()
     ignore = (chart.ROOT / ".dockerignore").read_text().splitlines()
+    excluded = {line.rstrip("/") for line in ignore if line.startswith("weightcache/")}
     for entry in (line[1:].rstrip("/") for line in ignore if line.startswith("!")):
         src = chart.ROOT / entry
         if src.is_dir():
             shutil.copytree(src, context / entry, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, context / entry)
+    for entry in excluded:
+        shutil.rmtree(context / entry)
     out = subprocess.run(
         [
             sys.executable,
@@ -206,9 +209,14 @@ def test_wheel_stage_builds_from_the_docker_context(tmp_path):
     for required in (
         "weightcache/cli.py",
         "weightcache/agent/main.py",
-        "weightcache/agent/proto/agent.proto",
+        "weightcache/contracts/proto/agent.proto",
+        "weightcache/contracts/ranks.py",
+        "weightcache/native/daemon.py",
+        "weightcache/client.py",
         "weightcache/operator/main.py",
         "weightcache/operator/admission/__init__.py",
     ):
         assert required in names, required
     assert not any(n.startswith(("operator/", "agent/", "tests/")) for n in names)
+    # development tooling stays out of the images
+    assert not any(n.startswith(("weightcache/bench/", "weightcache/testing/")) for n in names)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from weightcache.devtools import k8sbin
+from weightcache.testing import k8sbin
 
 
 def test_install_extracts_working_binaries_and_is_idempotent(tmp_path):

@@ -116,7 +116,7 @@ class Daemon:
 
 def daemon_command(model: Path, socket_dir: Path, transport: str) -> list[str]:
     return [
-        sys.executable, "-m", "weightcache.agent.daemon", "--model", str(model),
+        sys.executable, "-m", "weightcache.native.daemon", "--model", str(model),
         "--device", "cuda", "--device-index", "0", "--transport", transport,
         "--weight-cache-socket-dir", str(socket_dir),
     ]

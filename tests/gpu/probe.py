@@ -19,7 +19,8 @@ import time
 def _verify(model: str, state: dict, device) -> bool:
     import torch
     from safetensors.torch import load_file
-    from weightcache.agent.checkpoint import open_checkpoint
+
+    from weightcache.native.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model)
     for path in ckpt.files:
@@ -31,7 +32,7 @@ def _verify(model: str, state: dict, device) -> bool:
 
 def _wait_daemon_gone(sock_path: str, timeout: float) -> bool:
     """Open a `watch` connection and wait for the daemon to close it (it exits)."""
-    from weightcache.agent import protocol as proto
+    from weightcache.native import protocol as proto
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(sock_path)
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
     out: dict = {"pid": os.getpid(), "mode": args.mode}
     try:
         import torch
-        from weightcache.agent.client import WeightCacheError, attach
+
+        from weightcache.native.client import WeightCacheError, attach
 
         device = torch.device(args.device)
         torch.cuda.init()

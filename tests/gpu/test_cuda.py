@@ -15,11 +15,12 @@ import weakref
 
 import pytest
 import torch
-from weightcache.agent import coldload, gpu
-from weightcache.agent.checkpoint import open_checkpoint
-from weightcache.agent.loader import load_into_arena, plan_layout
-from weightcache.agent.sharding import parse_rules
-from weightcache.agent.transport import TransportError, _cuda, get_transport
+
+from weightcache.native import coldload, gpu
+from weightcache.native.checkpoint import open_checkpoint
+from weightcache.native.loader import load_into_arena, plan_layout
+from weightcache.native.sharding import parse_rules
+from weightcache.native.transport import TransportError, _cuda, get_transport
 
 from .conftest import PROBE, run_probe
 
@@ -54,7 +55,7 @@ def test_device_uuid_and_visible_devices_remap():
     uuid = gpu.device_uuid(0)
     assert uuid == gpu.normalize_uuid(uuid)
     assert gpu.resolve_device(uuid) == 0 and gpu.resolve_device(uuid[:12]) == 0
-    code = "from weightcache.agent import gpu; print(gpu.device_uuid(0))"
+    code = "from weightcache.native import gpu; print(gpu.device_uuid(0))"
     for visible in (uuid, uuid[:12], os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -110,7 +111,7 @@ def test_vmm_refuses_another_gpus_arena():
 
 @pytest.mark.parametrize("preflight", ["1", "0"])
 def test_legacy_ipc_in_one_process_fails_cleanly(monkeypatch, preflight):
-    from weightcache.agent.transport.cuda_ipc import IpcIsolationError
+    from weightcache.native.transport.cuda_ipc import IpcIsolationError
 
     monkeypatch.setenv("WEIGHTCACHE_IPC_PREFLIGHT", preflight)
     transport = get_transport("cuda_ipc")
@@ -157,7 +158,7 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
         assert report["free_delta"] < nbytes // 4, report
     else:
         # Copy mode: the daemon released its arena once the client had cloned it.
-        from weightcache.agent.client import query
+        from weightcache.native.client import query
 
         assert query(daemon.socket, "get_memory")["bytes"] == 0
         held1 = process_gpu_bytes(daemon.proc.pid)
@@ -167,7 +168,7 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
 
 
 def test_release_and_exit_give_memory_back(daemon_factory, medium_model):
-    from weightcache.agent.client import query
+    from weightcache.native.client import query
 
     torch.empty(1, device=DEV)
     base = free_bytes()

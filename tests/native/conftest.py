@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.demo import TINY, Preload, write_llama_checkpoint
+from weightcache.testing.checkpoints import TINY, write_llama_checkpoint
+from weightcache.testing.processes import Preload
 
 
 @pytest.fixture(scope="session")

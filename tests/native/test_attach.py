@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from weightcache.agent import client
-from weightcache.agent.client import (
+
+from weightcache.native import client
+from weightcache.native.client import (
     FingerprintMismatchError,
     NotReadyError,
     attach,
@@ -22,9 +23,8 @@ from weightcache.agent.client import (
     materialize,
     query,
 )
-from weightcache.agent.identity import cpu_identity, socket_path
-
-from weightcache.demo import TINY
+from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.testing.checkpoints import TINY
 
 from .conftest import copy_checkpoint, private_dir
 
@@ -247,9 +247,10 @@ def test_concurrent_engines_attach_at_once(served, ckpt):
 def test_unusual_tensors_round_trip_through_the_layout(tmp_path):
     """Scalars, empty tensors, odd sizes, integer/bool/fp8 dtypes: views land where they should."""
     from safetensors.torch import save_file
-    from weightcache.agent.checkpoint import open_checkpoint
-    from weightcache.agent.loader import load_into_arena, plan_layout, tensors_from_table
-    from weightcache.agent.sharding import parse_rules
+
+    from weightcache.native.checkpoint import open_checkpoint
+    from weightcache.native.loader import load_into_arena, plan_layout, tensors_from_table
+    from weightcache.native.sharding import parse_rules
 
     tensors = {
         "scalar": torch.tensor(3.5, dtype=torch.float64),

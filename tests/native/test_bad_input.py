@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from weightcache.agent import preload
-from weightcache.agent.checkpoint import INDEX_NAME, CheckpointError, open_checkpoint
-from weightcache.agent.client import attach
-from weightcache.agent.sharding import ShardingError, parse_rule, parse_rules, plan_shard
+
+from weightcache.native import launcher as preload
+from weightcache.native.checkpoint import INDEX_NAME, CheckpointError, open_checkpoint
+from weightcache.native.client import attach
+from weightcache.native.sharding import ShardingError, parse_rule, parse_rules, plan_shard
 
 
 def run_preload(caplog, *args: str) -> tuple[int, str]:

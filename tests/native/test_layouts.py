@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from weightcache.agent import preload
-from weightcache.agent.client import FingerprintMismatchError, attach, query
-from weightcache.agent.identity import cpu_identity, socket_path
-from weightcache.agent.layout import LayoutError, ParallelFlags, plan_local_ranks
 
-from weightcache.demo import run_attach, weightcache_cmd
+from weightcache.contracts.ranks import LayoutError, ParallelFlags, plan_local_ranks
+from weightcache.native import launcher as preload
+from weightcache.native.client import FingerprintMismatchError, attach, query
+from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.testing.processes import run_attach, weightcache_cmd
 
 from .conftest import private_dir
 from .test_attach import EMBED, HEAD, reference

@@ -13,11 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from weightcache.agent import protocol as proto
-from weightcache.agent.client import DaemonUnavailableError, attach, query
-from weightcache.agent.daemon import BIND_DELAY_ENV
-from weightcache.agent.identity import cpu_identity, socket_path
-from weightcache.agent.security import SocketLock
+
+from weightcache.native import protocol as proto
+from weightcache.native.client import DaemonUnavailableError, attach, query
+from weightcache.native.daemon import BIND_DELAY_ENV
+from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.security import SocketLock
 
 from .conftest import raw_connect
 

@@ -10,8 +10,9 @@ import time
 
 import msgpack
 import pytest
-from weightcache.agent import protocol as proto
-from weightcache.agent.client import query
+
+from weightcache.native import protocol as proto
+from weightcache.native.client import query
 
 from .conftest import raw_connect
 

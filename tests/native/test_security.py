@@ -11,11 +11,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from weightcache.agent import preload
-from weightcache.agent import protocol as proto
-from weightcache.agent.client import CacheSecurityError, attach, query
-from weightcache.agent.identity import cpu_identity, socket_path
-from weightcache.agent.security import SecurityError, check_dir, prepare_socket_dir
+
+from weightcache.native import launcher as preload
+from weightcache.native import protocol as proto
+from weightcache.native.client import CacheSecurityError, attach, query
+from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.security import SecurityError, check_dir, prepare_socket_dir
 
 from .conftest import private_dir, raw_connect
 

@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from weightcache.operator import emulator, handlers, main
 
 from weightcache import constants as C
+from weightcache.operator import handlers, main
+from weightcache.testing import emulator
 
 NS = "default"
 CR_URL = f"/apis/{C.API_VERSION}/namespaces/{NS}/{C.PLURAL}"

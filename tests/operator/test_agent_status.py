@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import grpc
-from weightcache.agent.proto import agent_pb2, agent_pb2_grpc
-from weightcache.operator import agentstatus
 
 from tests.operator.conftest import eventually
 from tests.operator.test_operator import phase_is
+from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
+from weightcache.operator import agentstatus
 
 GIB = 1 << 30
 

@@ -8,6 +8,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from weightcache.operator import crd
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from weightcache.operator.placement import (
     NodeInfo,
     data_start_rank,

@@ -12,7 +12,7 @@ import aiohttp
 
 from tests.operator.conftest import eventually
 from tests.operator.test_operator import TP16
-from weightcache.devtools.ports import free_port
+from weightcache.testing.ports import free_port
 
 
 async def test_operator_process_serves_metrics_and_health(cluster, tmp_path):

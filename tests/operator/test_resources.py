@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+from weightcache import constants as C
 from weightcache.operator import resources as R
 from weightcache.operator.spec import layout, with_defaults
-
-from weightcache import constants as C
 
 CACHE = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
 

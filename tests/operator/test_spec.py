@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from weightcache.operator.spec import Problem, layout, validate, with_defaults
 
 BASE = {"runtime": "native", "model": {"path": "/models/m"}}

@@ -21,10 +21,10 @@ import time
 from collections.abc import Sequence
 
 SECTIONS: dict[str, str] = {
-    "native": "weightcache.agent.bench_native",
-    "gpu": "weightcache.agent.bench_gpu",
-    "operator": "weightcache.operator.bench",
-    "admission": "weightcache.operator.admission.bench",
+    "native": "weightcache.bench.native",
+    "gpu": "weightcache.bench.gpu",
+    "operator": "weightcache.bench.operator",
+    "admission": "weightcache.bench.admission",
 }
 
 

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import kopf
-from weightcache.operator import admission, emulator
-from weightcache.operator.admission.config import INDEX_ID, MUTATE_ID, VALIDATE_ID, AdmissionConfig
-from weightcache.operator.kube import Kube
 
 from weightcache import constants as C
-from weightcache.devtools.ports import free_port
+from weightcache.operator import admission
+from weightcache.operator.admission.config import INDEX_ID, MUTATE_ID, VALIDATE_ID, AdmissionConfig
+from weightcache.operator.kube import Kube
+from weightcache.testing import emulator
+from weightcache.testing.ports import free_port
 
 NAMESPACE = "weightcache-system"
 RESOURCES = {

@@ -1,7 +1,7 @@
 """One daemon rank: load this rank's shard into one arena, then serve it on a Unix socket.
 
 Started by `weightcache preload` (one process per rank) as
-`python -m weightcache.agent.daemon ...`. Order matters: take the socket's lock, remove a stale
+`python -m weightcache.native.daemon ...`. Order matters: take the socket's lock, remove a stale
 socket, load the whole shard, and only then bind, so a client either finds no socket (and
 falls back) or a daemon with a complete table. The launcher learns that the rank serves from
 one `SERVING {json}` line on stdout.

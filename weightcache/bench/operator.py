@@ -24,10 +24,9 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from weightcache.operator import emulator
-
 from weightcache import constants as C
-from weightcache.devtools.ports import free_port
+from weightcache.testing import emulator
+from weightcache.testing.ports import free_port
 
 HARNESS_AGENT = "weightcache-bench"
 NS = "default"

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from weightcache.agent.proto import agent_pb2 as weightcache_dot_agent_dot_proto_dot_agent__pb2
+from weightcache.contracts.proto import agent_pb2 as weightcache_dot_contracts_dot_proto_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in weightcache/agent/proto/agent_pb2_grpc.py depends on'
+        + ' but the generated code in weightcache/contracts/proto/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class AgentStub:
         """
         self.Status = channel.unary_unary(
                 '/weightcache.agent.v1.Agent/Status',
-                request_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusRequest.SerializeToString,
-                response_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusResponse.FromString,
+                request_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusRequest.SerializeToString,
+                response_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/weightcache.agent.v1.Agent/Release',
-                request_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseResponse.FromString,
+                request_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Restart = channel.unary_unary(
                 '/weightcache.agent.v1.Agent/Restart',
-                request_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
-                response_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartResponse.FromString,
+                request_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
+                response_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusRequest.FromString,
-                    response_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusRequest.FromString,
+                    response_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseRequest.FromString,
-                    response_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseRequest.FromString,
+                    response_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseResponse.SerializeToString,
             ),
             'Restart': grpc.unary_unary_rpc_method_handler(
                     servicer.Restart,
-                    request_deserializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartRequest.FromString,
-                    response_serializer=weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartResponse.SerializeToString,
+                    request_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.FromString,
+                    response_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class Agent:
             request,
             target,
             '/weightcache.agent.v1.Agent/Status',
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusRequest.SerializeToString,
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.StatusResponse.FromString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusRequest.SerializeToString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class Agent:
             request,
             target,
             '/weightcache.agent.v1.Agent/Release',
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseRequest.SerializeToString,
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.ReleaseResponse.FromString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseRequest.SerializeToString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Agent:
             request,
             target,
             '/weightcache.agent.v1.Agent/Restart',
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
-            weightcache_dot_agent_dot_proto_dot_agent__pb2.RestartResponse.FromString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.FromString,
             options,
             channel_credentials,
             insecure,

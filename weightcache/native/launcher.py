@@ -3,10 +3,10 @@
 Flags follow `vllm preload` where the meaning is the same, including the multi-node and
 data-parallel ones (`--nnodes`, `--node-rank`, `--data-parallel-size`,
 `--data-parallel-size-local`, `--data-parallel-start-rank`): local device i serves the global
-rank vLLM's engine gives it (weightcache.agent.layout). Native ranks need no rendezvous, so
+rank vLLM's engine gives it (weightcache.contracts.ranks). Native ranks need no rendezvous, so
 there is no master address or port. The launcher checks the layout, the model and the shard
 rules for every rank before starting anything (so bad input fails once, clearly), starts one
-`weightcache.agent.daemon` process per local rank (fresh interpreters, never fork, so
+`weightcache.native.daemon` process per local rank (fresh interpreters, never fork, so
 CUDA and torch threads are safe), prints one `READY {json}` line when every rank serves, and
 exits with the failing rank's exit code if a rank dies. SIGINT/SIGTERM stop every rank (which
 unlinks its socket and lock file and frees its arena). With --weight-cache-health-port, GET
@@ -29,7 +29,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .layout import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+
 from .lifetime import request_parent_death_signal
 
 log = logging.getLogger("weightcache.preload")
@@ -191,7 +192,7 @@ def _validate(args: argparse.Namespace) -> str | None:
 
 def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
     cmd = [
-        sys.executable, "-m", "weightcache.agent.daemon",
+        sys.executable, "-m", "weightcache.native.daemon",
         "--model", args.model,
         "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--rank", str(place.tp_rank),

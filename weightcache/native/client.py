@@ -1,0 +1,488 @@
+"""Client library: get a rank's state dict from the local daemon, or from disk.
+
+An engine calls `load_state_dict(model_dir, device=..., tp_size=..., tp_rank=...)` where it
+would otherwise read the checkpoint. The client computes the fingerprint of what it expects
+from the checkpoint's headers, checks the socket and the daemon process (owner, uid, device
+identity), asks for the state, and maps the arena the daemon passes. When any of that fails and
+`fallback` is on, it loads the same shard from disk with the same layout and logs why; with
+`fallback` off it raises a specific `WeightCacheError`.
+
+`materialize(module, state_dict)` fills a meta-device module with those tensors, keeping tied
+parameters one object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightcache import constants as C
+
+from . import fingerprint as fp
+from . import protocol as proto
+from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .identity import device_identity
+from .identity import socket_path as derive_socket_path
+from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
+from .sharding import ShardingError, parse_rules
+from .transport import TransportError, get_transport
+
+log = logging.getLogger("weightcache.client")
+
+MODES = ("zero_copy", "copy")
+
+
+class WeightCacheError(RuntimeError):
+    """The cache could not serve this load (the message says why)."""
+
+    reason = "error"
+
+
+class DaemonUnavailableError(WeightCacheError):
+    reason = "unavailable"
+
+
+class NotReadyError(WeightCacheError):
+    reason = "not_ready"
+
+
+class ReleasedError(WeightCacheError):
+    reason = "released"
+
+
+class FingerprintMismatchError(WeightCacheError):
+    reason = "fingerprint_mismatch"
+
+    def __init__(self, message: str, fields: list[str]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class DeviceMismatchError(WeightCacheError):
+    reason = "device_mismatch"
+
+
+class CacheSecurityError(WeightCacheError):
+    reason = "security"
+
+
+class CacheProtocolError(WeightCacheError):
+    reason = "protocol"
+
+
+class DaemonError(WeightCacheError):
+    """The daemon answered with an error code this client has no better exception for."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = code
+
+
+class MissingTensorError(KeyError):
+    """materialize(): the module has parameters the state dict does not provide."""
+
+
+@dataclass
+class AttachResult:
+    state_dict: dict[str, torch.Tensor]
+    source: str  # "cache" or "disk"
+    reason: str | None
+    seconds: float
+    nbytes: int
+    tensors: int
+    mode: str
+    socket: str | None
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "source": self.source,
+            "reason": self.reason,
+            "mode": self.mode,
+            "socket": self.socket,
+        }
+
+
+# -- options --------------------------------------------------------------------------------
+def _env_bool(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean")
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def _pick(explicit: Any, env: Any, default: Any) -> Any:
+    if explicit is not None:
+        return explicit
+    return default if env is None else env
+
+
+# -- low-level connection -------------------------------------------------------------------
+def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
+    """Connect to a daemon socket after checking the file and, once connected, the peer uid."""
+    path = Path(path)
+    try:
+        check_socket_file(path)
+    except FileNotFoundError:
+        raise DaemonUnavailableError(f"no daemon socket at {path}") from None
+    except SecurityError as exc:
+        raise CacheSecurityError(str(exc)) from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        check_peer(sock)
+    except SecurityError as exc:
+        sock.close()
+        raise CacheSecurityError(f"daemon at {path}: {exc}") from None
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+    return sock
+
+
+def request(
+    sock: socket.socket, cmd: str, *, accept_fds: bool = False, **fields: Any
+) -> tuple[dict[str, Any], list[int]]:
+    try:
+        proto.send_frame(sock, {"cmd": cmd, **fields})
+        return proto.recv_frame(sock, accept_fds=accept_fds)
+    except TimeoutError:
+        raise DaemonUnavailableError(f"daemon did not answer {cmd!r} in time") from None
+    except proto.ProtocolError as exc:
+        raise CacheProtocolError(f"{cmd}: {exc}") from None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"{cmd}: {exc}") from None
+
+
+def query(path: str | os.PathLike, cmd: str, *, timeout: float = 2.0, **fields: Any) -> dict:
+    """One request/reply without fds (hello, get_memory, stats): for probes and the node agent."""
+    with contextlib.closing(connect(path, timeout=timeout)) as sock:
+        reply, _ = request(sock, cmd, **fields)
+        return reply
+
+
+def _raise_for(reply: dict[str, Any]) -> None:
+    if reply.get("ok"):
+        return
+    code = str(reply.get("error", "error"))
+    message = str(reply.get("message", code))
+    if code == proto.E_FINGERPRINT_MISMATCH:
+        fields = [str(f) for f in reply.get("fields", []) if isinstance(f, str)]
+        raise FingerprintMismatchError(message, fields)
+    if code == proto.E_RELEASED:
+        raise ReleasedError(message)
+    if code == proto.E_NOT_READY:
+        raise NotReadyError(message)
+    if code == proto.E_PERMISSION_DENIED:
+        raise CacheSecurityError(message)
+    raise DaemonError(message, code)
+
+
+# -- attach ---------------------------------------------------------------------------------
+@dataclass
+class RankPlan:
+    layout: Layout
+    fingerprint: dict[str, Any]
+    identity: str
+    device: torch.device
+
+
+def plan_rank(
+    model_dir: str | os.PathLike,
+    *,
+    device: torch.device,
+    device_index: int,
+    tp_size: int,
+    tp_rank: int,
+    shard_rules: list[str] | None,
+    dtype: str,
+) -> RankPlan:
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
+    rules = parse_rules(shard_rules)
+    ckpt = open_checkpoint(model_dir)
+    layout = plan_layout(
+        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
+    )
+    fingerprint = fp.compute(
+        ckpt,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        dtype=dtype,
+        shard_rules=[r.text for r in rules],
+        aliases=layout.aliases,
+    )
+    return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
+
+
+def _from_cache(
+    plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
+    connect_timeout_s: float, state_timeout_s: float,
+) -> tuple[dict[str, torch.Tensor], int]:
+    with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
+        hello, _ = request(sock, "hello")
+        _raise_for(hello)
+        if hello.get("protocol") != proto.PROTOCOL_VERSION:
+            raise CacheProtocolError(f"daemon speaks protocol {hello.get('protocol')!r}")
+        if not hello.get("ready"):
+            raise NotReadyError(f"daemon at {path} holds no weights (loading or released)")
+        served = (hello.get("device") or {}).get("uuid")
+        if served != plan.identity:
+            raise DeviceMismatchError(f"daemon serves device {served!r}, we are {plan.identity!r}")
+        if hello.get("rank") != tp_rank or hello.get("tp_size") != tp_size:
+            raise FingerprintMismatchError(
+                f"daemon serves rank {hello.get('rank')}/{hello.get('tp_size')},"
+                f" we are {tp_rank}/{tp_size}",
+                [f for f, a, b in (("tp_rank", hello.get("rank"), tp_rank),
+                                   ("tp_size", hello.get("tp_size"), tp_size)) if a != b],
+            )
+        sock.settimeout(state_timeout_s)
+        reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint)
+        try:
+            _raise_for(reply)
+            meta = reply.get("arena")
+            if not isinstance(meta, dict):
+                raise CacheProtocolError("get_state reply has no arena")
+            transport = get_transport(str(meta.get("transport")))
+            imported = transport.attach(meta, fds, plan.device)
+            fds = []
+        except TransportError as exc:
+            raise CacheProtocolError(f"cannot map the arena: {exc}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        flat = imported.tensor()
+        try:
+            table, aliases = reply.get("tensors"), reply.get("aliases") or {}
+            if not isinstance(table, list) or not isinstance(aliases, dict):
+                raise CacheProtocolError("get_state reply has no tensor table")
+            if mode == "copy":
+                flat = flat.clone()
+                imported.close()
+            state = tensors_from_table(flat, table, aliases)
+        except LayoutError as exc:
+            imported.close()
+            raise CacheProtocolError(f"bad tensor table: {exc}") from None
+        if mode == "copy":
+            released, _ = request(sock, "release")
+            if not released.get("ok"):
+                log.warning("weightcache: daemon did not release its cache: %s", released)
+        return state, flat.numel()
+
+
+def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    """The same shard and layout as the daemon's, read from the checkpoint files."""
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader
+    return tensors_from_table(flat, layout.table(), layout.aliases)
+
+
+def attach(
+    model_dir: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    socket_dir: str | os.PathLike | None = None,
+    socket_path: str | os.PathLike | None = None,
+    mode: str | None = None,
+    fallback: bool | None = None,
+    connect_timeout_s: float | None = None,
+    state_timeout_s: float | None = None,
+    shard_rules: list[str] | None = None,
+    dtype: str = "auto",
+    role: str = "main",
+    device_index: int | None = None,
+) -> AttachResult:
+    """Like `load_state_dict`, but also says where the tensors came from and how long it took."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    mode = _pick(mode, os.environ.get(C.ENV_MODE) or None, "zero_copy")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    fallback = _pick(fallback, _env_bool(C.ENV_FALLBACK), True)
+    connect_timeout_s = _pick(connect_timeout_s, _env_float(C.ENV_CONNECT_TIMEOUT), 5.0)
+    state_timeout_s = _pick(state_timeout_s, _env_float(C.ENV_STATE_TIMEOUT), 300.0)
+    socket_dir = _pick(socket_dir, os.environ.get(C.ENV_SOCKET_DIR) or None, None)
+    if device_index is None:
+        if device.type == "cuda":
+            device_index = device.index if device.index is not None else torch.cuda.current_device()
+        else:
+            device_index = tp_rank
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", device_index)
+    # Bad checkpoints and rules are configuration errors: the disk path could not do better.
+    plan = plan_rank(
+        model_dir, device=device, device_index=device_index, tp_size=tp_size, tp_rank=tp_rank,
+        shard_rules=shard_rules, dtype=dtype,
+    )
+    path: Path | None = None
+    try:
+        if socket_path is not None:
+            path = Path(socket_path)
+        else:
+            try:
+                directory = resolve_socket_dir(socket_dir)
+            except FileNotFoundError as exc:
+                raise DaemonUnavailableError(f"no socket directory {exc.filename}") from None
+            except SecurityError as exc:
+                raise CacheSecurityError(str(exc)) from None
+            path = derive_socket_path(directory, plan.identity, role)
+        state, nbytes = _from_cache(
+            plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
+            connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
+        )
+        source, reason = "cache", None
+    except WeightCacheError as exc:
+        if not fallback:
+            raise
+        reason = f"{exc.reason}: {exc}"
+        cache = os.environ.get(C.ENV_CACHE)
+        log.warning(
+            "weightcache%s: loading %s (rank %d/%d) from disk: %s",
+            f" {cache}" if cache else "", model_dir, tp_rank, tp_size, reason,
+        )
+        state = load_from_disk(plan.layout, device)
+        nbytes, source = plan.layout.nbytes, "disk"
+    return AttachResult(
+        state_dict=state,
+        source=source,
+        reason=reason,
+        seconds=time.perf_counter() - started,
+        nbytes=nbytes,
+        tensors=len(plan.layout.entries),
+        mode=mode,
+        socket=str(path) if path else None,
+        aliases=dict(plan.layout.aliases),
+    )
+
+
+def load_state_dict(
+    model_dir: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    socket_dir: str | os.PathLike | None = None,
+    mode: str | None = None,
+    fallback: bool | None = None,
+    connect_timeout_s: float | None = None,
+    state_timeout_s: float | None = None,
+    **options: Any,
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors by name; tied names map to the same tensor object.
+
+    Unset arguments come from WEIGHTCACHE_* environment variables, then the defaults
+    (zero_copy, fallback on, 5 s connect, 300 s state). `options`: socket_path, shard_rules,
+    dtype, role, device_index (see `attach`).
+    """
+    return attach(
+        model_dir, device=device, tp_size=tp_size, tp_rank=tp_rank, socket_dir=socket_dir,
+        mode=mode, fallback=fallback, connect_timeout_s=connect_timeout_s,
+        state_timeout_s=state_timeout_s, **options,
+    ).state_dict
+
+
+# -- module materialisation -----------------------------------------------------------------
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, attr = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), attr
+
+
+def materialize(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    requires_grad: bool = False,
+) -> nn.Module:
+    """Replace the (meta) parameters and buffers of `module` with tensors of `state_dict`.
+
+    Parameters that are one object in the module (tied) stay one object, and names the state
+    dict maps to the same tensor (aliases) become one Parameter. No copy is made.
+    """
+    by_param: dict[int, nn.Parameter] = {}
+    by_tensor: dict[int, nn.Parameter] = {}
+    missing: list[str] = []
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        new = by_param.get(id(param))
+        if new is None:
+            tensor = state_dict.get(name)
+            if tensor is None:
+                missing.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: state dict has shape {list(tensor.shape)}, module {list(param.shape)}"
+                )
+            new = by_tensor.get(id(tensor)) or nn.Parameter(tensor, requires_grad=requires_grad)
+            by_param[id(param)] = new
+            by_tensor[id(tensor)] = new
+        owner, attr = _owner(module, name)
+        owner._parameters[attr] = new
+    for name, buf in list(module.named_buffers(remove_duplicate=False)):
+        tensor = state_dict.get(name)
+        if tensor is None:
+            if buf is not None and buf.device.type == "meta":
+                missing.append(name)
+            continue
+        owner, attr = _owner(module, name)
+        owner._buffers[attr] = tensor
+    if missing and strict:
+        raise MissingTensorError(f"state dict lacks {len(missing)} tensors: {missing[:8]}")
+    return module
+
+
+__all__ = [
+    "AttachResult",
+    "CacheProtocolError",
+    "CacheSecurityError",
+    "CheckpointError",
+    "DaemonError",
+    "DaemonUnavailableError",
+    "DeviceMismatchError",
+    "FingerprintMismatchError",
+    "MissingTensorError",
+    "NotReadyError",
+    "ReleasedError",
+    "ShardingError",
+    "WeightCacheError",
+    "attach",
+    "connect",
+    "load_from_disk",
+    "load_state_dict",
+    "materialize",
+    "query",
+    "request",
+]

@@ -1,0 +1,77 @@
+"""The project's commands as child processes: a `weightcache preload` to start and stop, and
+one `weightcache attach` in a fresh interpreter, the way a restarting engine would run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def weightcache_cmd() -> list[str]:
+    return [sys.executable, "-m", "weightcache.cli"]
+
+
+class Preload:
+    """A `weightcache preload` child: start, wait for READY, stop (SIGTERM, then SIGKILL).
+
+    It runs with --exit-with-parent, so it never outlives us even if we are killed outright.
+    """
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*weightcache_cmd(), "preload", "--exit-with-parent", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.ready: dict[str, Any] | None = None
+        self.lines: list[str] = []
+
+    def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise RuntimeError(
+                    f"weightcache preload exited ({self.proc.wait()}) before READY:\n{err}"
+                )
+            self.lines.append(line)
+            if line.startswith("READY "):
+                self.ready = json.loads(line[len("READY ") :])
+                return self.ready
+        raise TimeoutError("weightcache preload did not become ready")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        return self.proc.returncode
+
+
+def run_attach(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One `weightcache attach` in a fresh process, like a restarting engine."""
+    out = subprocess.run(
+        [*weightcache_cmd(), "attach", *args], capture_output=True, text=True, env=env, check=False
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"weightcache attach failed ({out.returncode}):\n{out.stderr}")
+    return json.loads(lines[-1])
+
+
