@@ -31,6 +31,8 @@ from weightcache import constants as C
 from . import fingerprint as fp
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .content import FIELD as CONTENT_FIELD
+from .content import content_identity
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
 from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
@@ -105,6 +107,7 @@ class AttachResult:
     mode: str
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
+    generation: int | None = None  # the cache's update generation served (None: from disk)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -243,13 +246,14 @@ def plan_rank(
         shard_rules=[r.text for r in rules],
         aliases=layout.aliases,
     )
+    fingerprint[CONTENT_FIELD] = content_identity(ckpt)
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
 
 def _from_cache(
     plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
-) -> tuple[dict[str, torch.Tensor], int]:
+) -> tuple[dict[str, torch.Tensor], int, int | None]:
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
         hello, _ = request(sock, "hello")
         _raise_for(hello)
@@ -268,7 +272,8 @@ def _from_cache(
                                    ("tp_size", hello.get("tp_size"), tp_size)) if a != b],
             )
         sock.settimeout(state_timeout_s)
-        reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint)
+        reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint,
+                             mode=mode)
         try:
             _raise_for(reply)
             meta = reply.get("arena")
@@ -298,7 +303,8 @@ def _from_cache(
             released, _ = request(sock, "release")
             if not released.get("ok"):
                 log.warning("weightcache: daemon did not release its cache: %s", released)
-        return state, flat.numel()
+        generation = reply.get("generation")
+        return state, flat.numel(), generation if isinstance(generation, int) else None
 
 
 def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
@@ -359,12 +365,13 @@ def attach(
             except SecurityError as exc:
                 raise CacheSecurityError(str(exc)) from None
             path = derive_socket_path(directory, plan.identity, role)
-        state, nbytes = _from_cache(
+        state, nbytes, generation = _from_cache(
             plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
             connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
         )
         source, reason = "cache", None
     except WeightCacheError as exc:
+        generation = None
         if not fallback:
             raise
         reason = f"{exc.reason}: {exc}"
@@ -385,6 +392,7 @@ def attach(
         mode=mode,
         socket=str(path) if path else None,
         aliases=dict(plan.layout.aliases),
+        generation=generation,
     )
 
 

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from . import fingerprint as fp
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .content import FIELD as CONTENT_FIELD
+from .content import content_identity
 from .identity import device_identity, socket_path
 from .lifetime import request_parent_death_signal
 from .security import (
@@ -45,6 +47,7 @@ if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lo
 
     from .loader import Layout
     from .transport import Arena
+    from .update import RankUpdater
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES
 
@@ -164,6 +167,7 @@ class RankServer:
         self._watchers: set[socket.socket] = set()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.stopping = threading.Event()
+        self.updates: RankUpdater | None = None  # set by run(): in-place updates
 
     # -- commands ---------------------------------------------------------------------------
     def _device_info(self) -> dict[str, Any]:
@@ -185,6 +189,7 @@ class RankServer:
             role=self.role,
             ready=self.arena is not None,
             pid=os.getpid(),
+            **({"update": self.updates.info()} if self.updates else {}),
         ), []
 
     def cmd_get_memory(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -205,6 +210,7 @@ class RankServer:
             bytes=self.nbytes if self.arena is not None else 0,
             load_seconds=self.load_seconds,
             ready=self.arena is not None,
+            **({"updates": self.updates.snapshot()} if self.updates else {}),
         ), []
 
     def cmd_get_state(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -218,6 +224,10 @@ class RankServer:
                 f"this rank serves transport {self.transport_name!r}, not {wanted!r}",
                 available=[self.transport_name],
             ), []
+        if self.updates is not None:
+            held = self.updates.wait_serving()  # no engine maps bytes being rewritten
+            if held is not None:
+                return held, []
         fields = fp.mismatched_fields(self.fingerprint, expected)
         if fields:
             self.stats.mismatch(fields)
@@ -231,7 +241,8 @@ class RankServer:
                 return proto.error(proto.E_RELEASED, "the cache was released"), []
             meta, fds = self.arena.export()
             # Duplicates: a concurrent `release` may close the arena's own fds before we send.
-            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta)
+            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
+                             generation=self.updates.generation if self.updates else 1)
             return reply, [os.dup(fd) for fd in fds]
 
     def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -248,10 +259,11 @@ class RankServer:
     def handle(self, conn: socket.socket) -> None:
         started = time.monotonic()
         served_state = False
+        peer_pid = 0
         self.stats.adjust("connections", 1)
         try:
             try:
-                check_peer(conn, self.allowed_uids)
+                peer_pid = check_peer(conn, self.allowed_uids)[0]
             except SecurityError as exc:
                 self.stats.request("connect", proto.E_PERMISSION_DENIED)
                 with contextlib.suppress(OSError):
@@ -260,7 +272,7 @@ class RankServer:
             conn.settimeout(IDLE_TIMEOUT_S)
             while not self.stopping.is_set():
                 try:
-                    req, _ = proto.recv_frame(conn)
+                    req, fds_in = proto.recv_frame(conn, accept_fds=True)
                 except proto.PeerClosedError:
                     return
                 except proto.ProtocolError as exc:
@@ -269,6 +281,30 @@ class RankServer:
                         proto.send_frame(conn, proto.error(exc.code, str(exc)))
                     return
                 cmd = req.get("cmd")
+                if fds_in and cmd not in proto.FD_COMMANDS:
+                    for fd in fds_in:
+                        os.close(fd)
+                    self.stats.request("invalid", proto.E_BAD_FRAME)
+                    proto.send_frame(conn, proto.error(proto.E_BAD_FRAME,
+                                                       f"{cmd!r} does not take fds"))
+                    return
+                if cmd in proto.UPDATE_COMMANDS and self.updates is not None:
+                    try:
+                        reply = self.updates.handle(conn, cmd, req, fds_in)
+                    except Exception as exc:  # a bug must not take the rank down
+                        log.exception("command %s failed", cmd)
+                        reply = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}")
+                    self.stats.request(cmd, "ok" if reply.get("ok") else reply.get("error", "?"))
+                    proto.send_frame(conn, reply)
+                    continue
+                if cmd == "watch" and isinstance(req.get("participant"), dict) and self.updates:
+                    self.stats.request("watch", "ok")
+                    self.stats.adjust("watchers", 1)
+                    try:
+                        self.updates.participate(conn, peer_pid, req["participant"])
+                    finally:
+                        self.stats.adjust("watchers", -1)
+                    return
                 if cmd == "watch":
                     self.stats.request("watch", "ok")
                     self._watch(conn)
@@ -293,9 +329,13 @@ class RankServer:
                         os.close(fd)
                 if cmd == "get_state" and reply.get("ok"):
                     served_state = True
+                    if self.updates is not None:
+                        self.updates.note_attach(peer_pid, req.get("mode"))
         except (OSError, proto.ProtocolError):
             return
         finally:
+            if self.updates is not None:
+                self.updates.connection_closed(conn)
             with contextlib.suppress(OSError):
                 conn.close()
             if served_state:
@@ -440,6 +480,7 @@ def run(args: argparse.Namespace) -> int:
             shard_rules=[r.text for r in rules],
             aliases=layout.aliases,
         )
+        fingerprint[CONTENT_FIELD] = content_identity(ckpt)
         # A socket left by a dead daemon would let clients connect to nothing: drop it first.
         if os.path.lexists(path):
             with contextlib.suppress(FileNotFoundError):
@@ -471,6 +512,10 @@ def run(args: argparse.Namespace) -> int:
             load_seconds=load_seconds,
             allowed_uids={os.getuid(), *args.allow_uid},
         )
+        from .update import RankUpdater, UpdateConfig
+
+        server.updates = RankUpdater(server, UpdateConfig(
+            rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype, model=str(args.model)))
         listener = bind_unix_socket(path)
         _emit(
             "SERVING "
