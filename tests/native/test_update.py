@@ -280,3 +280,20 @@ def test_group_switches_all_ranks_or_none(ckpt, ckpt_b, sock_dir, preload):
         disk = attach(ckpt_b, socket_dir=sock_dir, tp_size=2, tp_rank=r, fallback=False)
         assert disk.source == "cache"
         assert_matches(res.state_dict, disk.state_dict)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "live_update.py"
+
+
+def test_documented_example_keeps_addresses_and_serves_new_model(daemon, ckpt, ckpt_b, sock_dir):
+    """docs/examples/live_update.py without a CUDA graph: eager outputs are the new model's."""
+    import sys
+
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(ckpt), "--new-model",
+                          str(ckpt_b), "--socket-dir", str(sock_dir)],
+                         capture_output=True, text=True, check=False, timeout=120)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, (report, out.stderr[-2000:])
+    assert report["addresses_kept"] and report["outputs_changed"] and report["equals_new_model"]
+    assert report["update"]["generation"] == 2 and report["update"]["engines_paused"] == 1
+    assert report["resumed"] == [[2, True]] and report["graph"] is False
