@@ -94,28 +94,34 @@ def _failed(replies: list[dict[str, Any]], ranks: list[_Rank]) -> tuple[str, str
     return None
 
 
-def update_group(
-    sockets: list[Path | str | os.PathLike],
-    *,
-    model: str | None = None,
-    pushes: Mapping[Any, Mapping[str, Any]] | None = None,
-    force: bool = False,
-    pause_deadline_s: float = 30.0,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """Update every rank behind `sockets` to `model` (or to the pushed tensors) at one barrier."""
-    from .client import WeightCacheError
-    from .updates import arena_image
+class GroupUpdate:
+    """One update of a set of ranks, phase by phase, so that a caller can put a barrier between
+    phases: the node agent lifts it across nodes (prepare everywhere, pause everywhere, commit
+    everywhere; any refusal before commit aborts everywhere). The connections stay open between
+    phases because a rank's update belongs to the connection that staged it."""
 
-    if not sockets:
-        raise UpdateFailed("no_daemons", "no daemon sockets to update")
-    ranks: list[_Rank] = []
-    try:
+    def __init__(self, sockets: list[Path | str | os.PathLike], *,
+                 timeout_s: float = 600.0) -> None:
+        from .client import WeightCacheError
+
+        if not sockets:
+            raise UpdateFailed("no_daemons", "no daemon sockets to update")
+        self.ranks: list[_Rank] = []
         try:
-            ranks = [_Rank(Path(p), timeout_s) for p in sockets]
+            for p in sockets:
+                self.ranks.append(_Rank(Path(p), timeout_s))
         except WeightCacheError as exc:
+            self.close()
             raise UpdateFailed("unavailable", str(exc)) from None
-        t0 = time.monotonic()
+        self.report: dict[str, Any] = {"ranks": len(self.ranks)}
+        self._t0 = time.monotonic()
+        self._t_pause = 0.0
+
+    def prepare(self, *, model: str | None = None,
+                pushes: Mapping[Any, Mapping[str, Any]] | None = None,
+                force: bool = False) -> dict[str, Any]:
+        """Stage on every rank (engines keep serving). Raises UpdateFailed after aborting."""
+        from .updates import arena_image
 
         def stage(rank: _Rank) -> dict[str, Any]:
             if pushes is None:
@@ -130,63 +136,105 @@ def update_group(
                 return {"ok": False, "error": "layout_mismatch", "message": str(exc)}
             return rank.call("update_stage", [fd], source="push")
 
-        replies = _all(ranks, stage)
-        for reply, rank in zip(replies, ranks, strict=True):
-            if reply.get("ok"):
-                rank.update_id, rank.staged = reply["update"], reply
-        staged_s = time.monotonic() - t0
-        if failed := _failed(replies, ranks):
-            raise UpdateFailed(*failed, detail=_detail(replies))
-        blockers = [b for r in replies for b in r.get("blockers", [])]
-        if blockers and not force:
-            pids = ", ".join(str(b["pid"]) for b in blockers)
-            raise UpdateFailed("unpausable_engine",
-                               f"zero_copy engines that cannot pause are attached (pid {pids});"
-                               " use --force to update anyway", detail={"engines": blockers})
-        t_pause = time.monotonic()
-        replies = _all(ranks, lambda r: r.call("update_pause", update=r.update_id, force=force,
-                                               deadline_s=pause_deadline_s))
-        if failed := _failed(replies, ranks):
-            raise UpdateFailed(*failed, detail=_detail(replies))
-        paused = sum(int(r.get("paused", 0)) for r in replies)
-        forced = sorted({p for r in replies for p in r.get("forced", [])})
+        with self._aborting():
+            replies = _all(self.ranks, stage)
+            for reply, rank in zip(replies, self.ranks, strict=True):
+                if reply.get("ok"):
+                    rank.update_id, rank.staged = reply["update"], reply
+            self.report["seconds_staged"] = round(time.monotonic() - self._t0, 6)
+            self.report["bytes"] = sum(int(r.staged.get("bytes", 0)) for r in self.ranks)
+            self.report["source"] = "push" if pushes is not None else str(model)
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, detail=_detail(replies))
+            blockers = [b for r in replies for b in r.get("blockers", [])]
+            if blockers and not force:
+                pids = ", ".join(str(b["pid"]) for b in blockers)
+                raise UpdateFailed(
+                    "unpausable_engine",
+                    f"zero_copy engines that cannot pause are attached (pid {pids});"
+                    " use --force to update anyway", detail={"engines": blockers})
+        return self.report
+
+    def pause(self, *, force: bool = False, deadline_s: float = 30.0) -> dict[str, Any]:
+        """`begin` on every rank; returns once every participant engine has paused."""
+        with self._aborting():
+            self._t_pause = time.monotonic()
+            replies = _all(self.ranks, lambda r: r.call(
+                "update_pause", update=r.update_id, force=force, deadline_s=deadline_s))
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, detail=_detail(replies))
+            self.report["engines_paused"] = sum(int(r.get("paused", 0)) for r in replies)
+            self.report["forced_engines"] = sorted({p for r in replies
+                                                    for p in r.get("forced", [])})
+        return self.report
+
+    def commit(self) -> dict[str, Any]:
+        """Write and finish on every rank. A failure here marks written ranks broken."""
 
         def write(rank: _Rank) -> dict[str, Any]:
             rank.written = True  # whatever happens next, this rank's bytes may have changed
             return rank.call("update_write", update=rank.update_id)
 
-        replies = _all(ranks, write)
-        if failed := _failed(replies, ranks):
-            raise UpdateFailed(*failed, broken=True)
-        write_s = max(float(r.get("seconds", 0)) for r in replies)
-        replies = _all(ranks, lambda r: r.call("update_finish", update=r.update_id))
-        if failed := _failed(replies, ranks):
-            raise UpdateFailed(*failed, broken=True)
-        for rank in ranks:
-            rank.update_id = None
-        paused_s = time.monotonic() - t_pause
-        return {
-            "generation": max(int(r["generation"]) for r in replies),
-            "ranks": len(ranks),
-            "bytes": sum(int(r.staged.get("bytes", 0)) for r in ranks),
-            "seconds_staged": round(staged_s, 6),
-            "seconds_paused": round(paused_s, 6),
-            "seconds_write": round(write_s, 6),
-            "seconds_total": round(time.monotonic() - t0, 6),
-            "engines_paused": paused,
-            "forced_engines": forced,
-            "identity": replies[0].get("identity"),
-            "source": "push" if pushes is not None else str(model),
-        }
-    except BaseException:
-        for rank in ranks:  # nothing switches, or written ranks are marked broken
+        with self._aborting():
+            replies = _all(self.ranks, write)
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, broken=True)
+            self.report["seconds_write"] = round(
+                max(float(r.get("seconds", 0)) for r in replies), 6)
+            replies = _all(self.ranks, lambda r: r.call("update_finish", update=r.update_id))
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, broken=True)
+            for rank in self.ranks:
+                rank.update_id = None
+        self.report.update(
+            generation=max(int(r["generation"]) for r in replies),
+            seconds_paused=round(time.monotonic() - self._t_pause, 6),
+            seconds_total=round(time.monotonic() - self._t0, 6),
+            identity=replies[0].get("identity"),
+        )
+        return self.report
+
+    def abort(self) -> None:
+        """Nothing switches (before commit), or written ranks are marked broken (after)."""
+        for rank in self.ranks:
             if rank.update_id is not None:
                 with contextlib.suppress(Exception):
                     rank.call("update_abort", update=rank.update_id)
-        raise
-    finally:
-        for rank in ranks:
+                rank.update_id = None
+
+    @contextlib.contextmanager
+    def _aborting(self):
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> None:
+        for rank in self.ranks:
             rank.close()
+
+
+def update_group(
+    sockets: list[Path | str | os.PathLike],
+    *,
+    model: str | None = None,
+    pushes: Mapping[Any, Mapping[str, Any]] | None = None,
+    force: bool = False,
+    pause_deadline_s: float = 30.0,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Update every rank behind `sockets` to `model` (or to the pushed tensors) at one barrier."""
+    group = GroupUpdate(sockets, timeout_s=timeout_s)
+    try:
+        group.prepare(model=model, pushes=pushes, force=force)
+        group.pause(force=force, deadline_s=pause_deadline_s)
+        report = group.commit()
+    finally:
+        group.close()
+    keys = ("generation", "ranks", "bytes", "seconds_staged", "seconds_paused", "seconds_write",
+            "seconds_total", "engines_paused", "forced_engines", "identity", "source")
+    return {k: report.get(k) for k in keys}
 
 
 def _detail(replies: list[dict[str, Any]]) -> dict[str, Any]:
