@@ -91,7 +91,7 @@ class NativeRuntime(Runtime):
     def command(self) -> list[str]:
         cfg, spec = self.cfg, self.cfg.spec
         argv = [sys.executable, "-m", "weightcache.cli", "preload",
-                "--model", spec["model"]["path"],
+                "--model", self.served_model(),
                 *parallel_args(self.flags),
                 "--exit-with-parent",
                 "--weight-cache-socket-dir", cfg.socket_dir,
@@ -135,6 +135,9 @@ class NativeRuntime(Runtime):
 
     def collect_stats(self) -> bool:
         return True
+
+    def update_sockets(self) -> list[str]:
+        return [r.socket_path for r in self.ranks()]
 
     def _request(self, path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
