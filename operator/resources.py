@@ -146,7 +146,18 @@ def plan_json(doc: Mapping[str, Any]) -> str:
 
 
 def plan_hash(doc: Mapping[str, Any]) -> str:
-    return hashlib.sha256(plan_json(doc).encode()).hexdigest()[:16]
+    """Hash of what the agent pods must be recreated for (the DaemonSet template carries it).
+
+    The update strategy never restarts pods by itself, and with InPlace updates on runtime
+    native neither does a new model path or revision: those reach the daemons through the
+    agents' Update RPC, and the plan ConfigMap follows once the update succeeded."""
+    view = json.loads(plan_json(doc))
+    spec = view.get("spec") or {}
+    strategy = (spec.pop("updateStrategy", None) or {}).get("type", "InPlace")
+    if view.get("runtime") == "native" and strategy == "InPlace":
+        for key in ("path", "revision"):
+            (spec.get("model") or {}).pop(key, None)
+    return hashlib.sha256(plan_json(view).encode()).hexdigest()[:16]
 
 
 def configmap(cache: Mapping[str, Any], doc: Mapping[str, Any]) -> dict[str, Any]:
