@@ -26,6 +26,7 @@ from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkp
 from weightcache.testing.processes import weightcache_cmd
 
 from .conftest import raw_connect
+from .test_security import needs_root
 from .test_attach import assert_matches, reference
 
 NORM = "model.norm.weight"
@@ -125,12 +126,12 @@ def test_layout_mismatch_is_refused_naming_tensors(daemon, ckpt, sock_dir, tmp_p
 
 def test_unpausable_engine_refuses_unless_forced(daemon, ckpt, ckpt_b, sock_dir):
     res = attach(ckpt, socket_dir=sock_dir, mode="zero_copy", fallback=False)  # no participant
-    code, out = run_update("--model", str(ckpt_b), "--socket-dir", str(sock_dir))
+    code, out = update_here(sock_dir, ckpt_b)
     assert code == 1 and out["error"] == proto.E_UNPAUSABLE
     assert str(os.getpid()) in out["message"]
     assert out["engines"][0]["pid"] == os.getpid()
     assert_matches(res.state_dict, reference(ckpt))  # nothing was written
-    code, out = run_update("--model", str(ckpt_b), "--socket-dir", str(sock_dir), "--force")
+    code, out = update_here(sock_dir, ckpt_b, force=True)
     assert code == 0 and out["forced_engines"] == [os.getpid()]
     assert_matches(res.state_dict, reference(ckpt_b))
 
@@ -297,3 +298,44 @@ def test_documented_example_keeps_addresses_and_serves_new_model(daemon, ckpt, c
     assert report["addresses_kept"] and report["outputs_changed"] and report["equals_new_model"]
     assert report["update"]["generation"] == 2 and report["update"]["engines_paused"] == 1
     assert report["resumed"] == [[2, True]] and report["graph"] is False
+
+
+@needs_root
+def test_engines_of_other_uids_cannot_update(ckpt, ckpt_b, sock_dir, preload):
+    """An allowed engine uid may read the cache and its table, never rewrite it (SO_PEERCRED).
+
+    As in test_security: the child's effective uid (what SO_PEERCRED reports) is nobody's, its
+    filesystem uid stays root's so the socket file lets it through."""
+    import ctypes
+
+    nobody = 65534
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
+                "--weight-cache-allow-uid", str(nobody))
+    sock = p.wait_ready(120)["sockets"][0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery
+        code = 1
+        try:
+            os.close(r)
+            os.seteuid(nobody)
+            ctypes.CDLL(None).setfsuid(0)
+            with raw_connect(sock) as s:
+                replies = [_call(s, "update_stage", model=str(ckpt_b)), _call(s, "get_table")]
+            os.write(w, json.dumps([{k: x.get(k) for k in ("ok", "error", "message")}
+                                    for x in replies]).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(w, repr(exc).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    stage, table = json.loads(data)
+    assert stage["error"] == proto.E_PERMISSION_DENIED and "reserved to uid 0" in stage["message"]
+    assert table["ok"] is True
+    assert query(sock, "hello")["update"] == {**query(sock, "hello")["update"], "phase": "idle",
+                                              "generation": 1}

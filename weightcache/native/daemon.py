@@ -259,11 +259,11 @@ class RankServer:
     def handle(self, conn: socket.socket) -> None:
         started = time.monotonic()
         served_state = False
-        peer_pid = 0
+        peer_pid = peer_uid = 0
         self.stats.adjust("connections", 1)
         try:
             try:
-                peer_pid = check_peer(conn, self.allowed_uids)[0]
+                peer_pid, peer_uid, _ = check_peer(conn, self.allowed_uids)
             except SecurityError as exc:
                 self.stats.request("connect", proto.E_PERMISSION_DENIED)
                 with contextlib.suppress(OSError):
@@ -289,6 +289,15 @@ class RankServer:
                                                        f"{cmd!r} does not take fds"))
                     return
                 if cmd in proto.UPDATE_COMMANDS and self.updates is not None:
+                    if peer_uid != os.getuid() and cmd != "get_table":
+                        # Engines of other uids may read the cache, never rewrite it.
+                        reply = proto.error(proto.E_PERMISSION_DENIED,
+                                            f"{cmd} is reserved to uid {os.getuid()}")
+                        for fd in fds_in:
+                            os.close(fd)
+                        self.stats.request(cmd, proto.E_PERMISSION_DENIED)
+                        proto.send_frame(conn, reply)
+                        continue
                     try:
                         reply = self.updates.handle(conn, cmd, req, fds_in)
                     except Exception as exc:  # a bug must not take the rank down
