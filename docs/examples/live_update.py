@@ -51,14 +51,19 @@ class TinyEngine:
 
     def forward(self) -> torch.Tensor:
         w = self.w
+
+        def norm(x: torch.Tensor) -> torch.Tensor:  # RMS norm keeps random weights finite
+            return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
         x = torch.nn.functional.embedding(self.tokens, w["model.embed_tokens.weight"])
         hidden = w[LAYER + "self_attn.q_proj.weight"].shape[0]
-        qkv = x @ self.qkv.t()
-        x = x + qkv[..., :hidden] @ w[LAYER + "self_attn.o_proj.weight"].t()
-        gate = x @ w[LAYER + "mlp.gate_proj.weight"].t()
-        up = x @ w[LAYER + "mlp.up_proj.weight"].t()
-        x = x + (torch.nn.functional.silu(gate) * up) @ w[LAYER + "mlp.down_proj.weight"].t()
-        x = x * w["model.norm.weight"]
+        qkv = norm(x) @ self.qkv.t()
+        x = x + norm(qkv[..., :hidden] @ w[LAYER + "self_attn.o_proj.weight"].t())
+        h = norm(x)
+        gate = h @ w[LAYER + "mlp.gate_proj.weight"].t()
+        up = h @ w[LAYER + "mlp.up_proj.weight"].t()
+        x = x + norm((torch.nn.functional.silu(gate) * up) @ w[LAYER + "mlp.down_proj.weight"].t())
+        x = norm(x) * w["model.norm.weight"]
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         return (x @ head.t()).float()
 
@@ -131,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         "addresses_kept": ptrs == {n: t.data_ptr() for n, t in res.state_dict.items()}
         and derived_ptr == engine.qkv.data_ptr(),
         "outputs_changed": not torch.equal(before, after),
-        "equals_new_model": bool(torch.allclose(after, expected, rtol=1e-3, atol=1e-3)),
+        # Same kernels on the same bytes: equal up to bf16 rounding at most.
+        "equals_new_model": bool(torch.allclose(after, expected, rtol=2e-2, atol=2e-2)),
+        "differs_from_old": bool((after - before).abs().max() > 0.1),
         "max_abs_diff": float((after - expected).abs().max()),
         "resumed": seen,
     }
     print(json.dumps(report), flush=True)
     ok = (update.returncode == 0 and report["addresses_kept"] and report["outputs_changed"]
-          and report["equals_new_model"])
+          and report["equals_new_model"] and report["differs_from_old"])
     return 0 if ok else 1
 
 

@@ -26,8 +26,8 @@ from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkp
 from weightcache.testing.processes import weightcache_cmd
 
 from .conftest import raw_connect
-from .test_security import needs_root
 from .test_attach import assert_matches, reference
+from .test_security import needs_root
 
 NORM = "model.norm.weight"
 
