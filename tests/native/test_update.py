@@ -25,7 +25,7 @@ from weightcache.native.update_group import UpdateFailed, discover, update_group
 from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkpoint
 from weightcache.testing.processes import weightcache_cmd
 
-from .conftest import raw_connect
+from .conftest import as_uid, raw_connect
 from .test_attach import assert_matches, reference
 from .test_security import needs_root
 
@@ -306,35 +306,17 @@ def test_engines_of_other_uids_cannot_update(ckpt, ckpt_b, sock_dir, preload):
 
     As in test_security: the child's effective uid (what SO_PEERCRED reports) is nobody's, its
     filesystem uid stays root's so the socket file lets it through."""
-    import ctypes
-
     nobody = 65534
     p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
                 "--weight-cache-allow-uid", str(nobody))
     sock = p.wait_ready(120)["sockets"][0]
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no pytest machinery
-        code = 1
-        try:
-            os.close(r)
-            os.seteuid(nobody)
-            ctypes.CDLL(None).setfsuid(0)
-            with raw_connect(sock) as s:
-                replies = [_call(s, "update_stage", model=str(ckpt_b)), _call(s, "get_table")]
-            os.write(w, json.dumps([{k: x.get(k) for k in ("ok", "error", "message")}
-                                    for x in replies]).encode())
-            code = 0
-        except BaseException as exc:
-            os.write(w, repr(exc).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    stage, table = json.loads(data)
+
+    def try_update() -> list[dict]:
+        with raw_connect(sock) as s:
+            replies = [_call(s, "update_stage", model=str(ckpt_b)), _call(s, "get_table")]
+        return [{k: x.get(k) for k in ("ok", "error", "message")} for x in replies]
+
+    stage, table = as_uid(nobody, try_update)
     assert stage["error"] == proto.E_PERMISSION_DENIED and "reserved to uid 0" in stage["message"]
     assert table["ok"] is True
     assert query(sock, "hello")["update"] == {**query(sock, "hello")["update"], "phase": "idle",
