@@ -24,7 +24,7 @@ from weightcache.agent.config import AgentConfig, Device
 class RankSpec:
     """One daemon rank this node serves: one model role on one local device."""
 
-    role: str  # "target" or "draft"
+    role: str  # vocabulary.ROLES: "target" or "draft"
     global_rank: int
     tp_rank: int
     dp_rank: int

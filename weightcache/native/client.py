@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
 from . import fingerprint as fp
 from . import protocol as proto
@@ -40,7 +41,6 @@ from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
 
-MODES = ("zero_copy", "copy")
 
 
 class WeightCacheError(RuntimeError):
@@ -322,7 +322,7 @@ def attach(
     state_timeout_s: float | None = None,
     shard_rules: list[str] | None = None,
     dtype: str = "auto",
-    role: str = "main",
+    role: str = ROLE_TARGET,
     device_index: int | None = None,
 ) -> AttachResult:
     """Like `load_state_dict`, but also says where the tensors came from and how long it took."""

@@ -25,6 +25,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightcache.contracts.vocabulary import DTYPES as DTYPE_CHOICES
+from weightcache.contracts.vocabulary import (
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_SECURITY,
+    ROLE_ALIASES,
+    ROLE_TARGET,
+    ROLES,
+    canonical_role,
+)
+
 from . import fingerprint as fp
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
@@ -46,11 +59,8 @@ if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lo
     from .loader import Layout
     from .transport import Arena
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES
-
 log = logging.getLogger("weightcache.daemon")
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SECURITY = 0, 1, 2, 3, 4
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 64
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
@@ -366,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-rule", action="append", default=None)
     p.add_argument("--no-shard-rules", action="store_true")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    p.add_argument("--role", choices=("main", "draft"), default="main")
+    p.add_argument("--role", choices=(*ROLES, *ROLE_ALIASES), default=ROLE_TARGET)
     p.add_argument("--transport", default=None)
     p.add_argument("--allow-uid", type=int, action="append", default=[])
     p.add_argument("--parent-pid", type=int, default=None)
@@ -406,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("socket directory refused: %s", exc)
         return EXIT_SECURITY
     identity = device_identity(args.device, index)
+    args.role = canonical_role(args.role)
     path = socket_path(sock_dir, identity, args.role)
     lock = SocketLock(path)
     try:

@@ -14,7 +14,7 @@ import os
 import socket as _socket
 from pathlib import Path
 
-ROLES = ("main", "draft")
+from weightcache.contracts.vocabulary import ROLE_TARGET, canonical_role
 
 
 def machine_id() -> str:
@@ -49,11 +49,15 @@ def device_identity(kind: str, index: int) -> str:
     raise ValueError(f"unsupported device kind {kind!r}")
 
 
-def socket_path(socket_dir: str | os.PathLike, device_identity: str, role: str = "main") -> Path:
-    """`<dir>/<identity>.sock` for the main model, `<dir>/<identity>_draft.sock` for a draft."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+def socket_path(
+    socket_dir: str | os.PathLike, device_identity: str, role: str = ROLE_TARGET
+) -> Path:
+    """`<dir>/<identity>.sock` for the target model, `<dir>/<identity>_draft.sock` for a draft.
+
+    The names are vLLM's (`weight_cache` sockets), so engines of either runtime find them.
+    """
+    role = canonical_role(role)
     if not device_identity or "/" in device_identity or device_identity.startswith("."):
         raise ValueError(f"bad device identity {device_identity!r}")
-    suffix = "" if role == "main" else f"_{role}"
+    suffix = "" if role == ROLE_TARGET else f"_{role}"
     return Path(socket_dir) / f"{device_identity}{suffix}.sock"

@@ -29,15 +29,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.vocabulary import DTYPES as DTYPE_CHOICES
+from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
 
 from .lifetime import request_parent_death_signal
 
 log = logging.getLogger("weightcache.preload")
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES, torch-free
-
-EXIT_BAD_INPUT, EXIT_SECURITY = 2, 4
 STOP_GRACE_S = 15.0
 
 
@@ -165,7 +164,7 @@ def _validate(args: argparse.Namespace) -> str | None:
     flags = parallel_flags(args)
     try:
         args.placements = plan_local_ranks(flags)
-    except LayoutError as exc:
+    except RankLayoutError as exc:
         return str(exc)
     devices = _device_count(args.device)
     local = len(args.placements)

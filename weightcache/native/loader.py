@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
+from weightcache.contracts.vocabulary import DTYPES
+
 from .checkpoint import Checkpoint, TensorInfo
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = DTYPES
 _BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
