@@ -43,7 +43,7 @@ class Isolation:
     """What an engine pod needs so the runtime's memory export can reach it.
 
     One row per runtime, kept in one table so measurements on real GPUs update the
-    policy in one place (DESIGN.md, "Facts measured").
+    policy in one place (docs/gpu.md, "Isolation").
     """
 
     host_ipc: bool  # share the host IPC namespace and with it the host /dev/shm

@@ -34,7 +34,7 @@ from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
-from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, plan_layout, tensors_from_table
 from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
@@ -212,7 +212,7 @@ def _raise_for(reply: dict[str, Any]) -> None:
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
 class RankPlan:
-    layout: Layout
+    layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
@@ -291,7 +291,7 @@ def _from_cache(
                 flat = flat.clone()
                 imported.close()
             state = tensors_from_table(flat, table, aliases)
-        except LayoutError as exc:
+        except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         if mode == "copy":
@@ -301,7 +301,7 @@ def _from_cache(
         return state, flat.numel()
 
 
-def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
     """The same shard and layout as the daemon's, read from the checkpoint files."""
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader

@@ -56,7 +56,7 @@ from .sharding import ShardingError, parse_rules
 if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
     import torch
 
-    from .loader import Layout
+    from .loader import ArenaLayout
     from .transport import Arena
 
 log = logging.getLogger("weightcache.daemon")
@@ -142,7 +142,7 @@ class RankServer:
         *,
         arena: Arena,
         transport_name: str,
-        layout: Layout,
+        layout: ArenaLayout,
         fingerprint: dict[str, Any],
         identity: str,
         device: torch.device,
