@@ -9,7 +9,6 @@ pod that cannot start must say why in its last log line.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
@@ -18,8 +17,8 @@ from typing import Any
 
 from weightcache import constants as C
 from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
-
-_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+from weightcache.native.gpu import canonical_identity
+from weightcache.native.identity import cpu_identity
 
 
 class ConfigError(Exception):
@@ -150,8 +149,6 @@ def discover_devices(
     """
     env = os.environ if environ is None else environ
     if kind == "cpu":
-        from weightcache.native.identity import cpu_identity
-
         return [Device(index=i, uuid=cpu_identity(i), kind="cpu") for i in range(count)]
     visible = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
     if visible in ("none", "void"):
@@ -159,8 +156,9 @@ def discover_devices(
     items = [v.strip() for v in visible.split(",") if v.strip()]
     if visible == "all":
         items = []
-    if items and all(_UUID_RE.match(v) for v in items):
-        return [Device(index=i, uuid=u) for i, u in enumerate(items)]
+    listed = [canonical_identity(v) for v in items]
+    if items and all(listed):
+        return [Device(index=i, uuid=str(u)) for i, u in enumerate(listed)]
     smi = shutil.which("nvidia-smi", path=env.get("PATH"))
     if runner is None and smi is None:
         raise ConfigError(
@@ -172,12 +170,13 @@ def discover_devices(
         out = (runner or _run_nvidia_smi)(argv)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ConfigError(f"nvidia-smi failed: {exc}") from exc
-    found: list[tuple[str, str]] = []
+    found: list[str] = []
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and _UUID_RE.match(parts[1]):
-            found.append((parts[0], parts[1]))
-    return [Device(index=n, uuid=u) for n, (_, u) in enumerate(found)]
+        uuid = canonical_identity(parts[1]) if len(parts) == 2 else None
+        if uuid:
+            found.append(uuid)
+    return [Device(index=n, uuid=u) for n, u in enumerate(found)]
 
 
 def _ports(spec: Mapping[str, Any]) -> dict[str, int]:

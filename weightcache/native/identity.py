@@ -33,19 +33,14 @@ def cpu_identity(index: int) -> str:
     return f"cpu-{digest}-{index}"
 
 
-def cuda_identity(index: int) -> str:
-    import torch
-
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-
-
 def device_identity(kind: str, index: int) -> str:
     """Identity of local device `index` of `kind` ("cpu" or "cuda")."""
     if kind == "cpu":
         return cpu_identity(index)
     if kind == "cuda":
-        return cuda_identity(index)
+        from .gpu import device_uuid
+
+        return device_uuid(index)
     raise ValueError(f"unsupported device kind {kind!r}")
 
 
