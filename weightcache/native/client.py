@@ -29,18 +29,17 @@ from torch import nn
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
-from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
-from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, plan_layout, tensors_from_table
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from .rankplan import plan_rank_shard
 from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
-
 
 
 class WeightCacheError(RuntimeError):
@@ -232,16 +231,8 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
-    layout = plan_layout(
-        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
-    )
-    fingerprint = fp.compute(
-        ckpt,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        dtype=dtype,
-        shard_rules=[r.text for r in rules],
-        aliases=layout.aliases,
+    layout, fingerprint = plan_rank_shard(
+        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype
     )
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 

@@ -40,7 +40,7 @@ from weightcache.contracts.vocabulary import (
 
 from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity, socket_path
 from .lifetime import request_parent_death_signal
 from .security import (
@@ -433,24 +433,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from .loader import load_into_arena, plan_layout
+        from .loader import load_into_arena
+        from .rankplan import plan_rank_shard
         from .transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
         try:
-            layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype,
-                                 aliases=tied_aliases(ckpt))
+            layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp, tp_rank=rank,
+                                                  dtype=args.dtype)
         except ShardingError as exc:
             log.error("%s", exc)
             return EXIT_BAD_INPUT
-        fingerprint = fp.compute(
-            ckpt,
-            tp_size=tp,
-            tp_rank=rank,
-            dtype=args.dtype,
-            shard_rules=[r.text for r in rules],
-            aliases=layout.aliases,
-        )
         # A socket left by a dead daemon would let clients connect to nothing: drop it first.
         if os.path.lexists(path):
             with contextlib.suppress(FileNotFoundError):

@@ -14,7 +14,6 @@ A mapping stays valid when the daemon exits: the allocation lives while any proc
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -82,18 +81,21 @@ def _unmap(ptr: int, size: int) -> None:
     _cuda.check(cu.cuMemAddressFree(ptr, size), "cuMemAddressFree")
 
 
-class VmmArena:
-    """Daemon side: one `cuMemCreate` allocation, mapped read-write, exportable as an fd."""
+class VmmArena(_cuda.DeviceArena):
+    """Daemon side: one `cuMemCreate` allocation, mapped read-write, exportable as an fd.
+
+    Closing drops the daemon's hold (the fd, the allocation handle and the mapping); the
+    physical memory goes back to the device once no process maps it any more: at once in copy
+    mode (clients cloned and unmapped), or when the last zero-copy engine unmaps.
+    """
+
+    transport = NAME
 
     def __init__(self, nbytes: int, ordinal: int) -> None:
-        if nbytes < 0:
-            raise TransportError(f"arena size must be >= 0, got {nbytes}")
+        super().__init__(nbytes, ordinal)
         cu = _cuda.driver()
-        self.nbytes = nbytes
-        self.ordinal = ordinal
         gran = granularity(ordinal)
         self.size = max(gran, (nbytes + gran - 1) // gran * gran)
-        self.uuid = device_uuid(ordinal)
         self._fd: int | None = None
         try:
             handle = _cuda.check(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
@@ -106,21 +108,9 @@ class VmmArena:
             cu.cuMemRelease(handle)
             raise
         size = self.size
-        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
-            ptr, nbytes, ordinal, lambda: _unmap(ptr, size)
-        )
-        self._tensor: torch.Tensor | None = None
+        self._memory = _cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _unmap(ptr, size))
 
-    def tensor(self) -> torch.Tensor:
-        if self._memory is None:
-            raise TransportError("arena is closed")
-        if self._tensor is None:
-            self._tensor = self._memory.tensor()
-        return self._tensor
-
-    def export(self) -> tuple[dict[str, Any], list[int]]:
-        if self._memory is None:
-            raise TransportError("arena is closed")
+    def _share(self) -> tuple[dict[str, Any], list[int]]:
         if self._fd is None:
             cu = _cuda.driver()
             _cuda.make_current(self.ordinal)
@@ -130,34 +120,14 @@ class VmmArena:
             )
             self._fd = int(fd)
             os.set_inheritable(self._fd, False)
-        meta = {
-            "transport": NAME,
-            "nbytes": self.nbytes,
-            "size": self.size,
-            "uuid": self.uuid,
-            "pid": os.getpid(),
-        }
-        return meta, [self._fd]
+        return {"size": self.size}, [self._fd]
 
-    def close(self) -> None:
-        """Drop the daemon's hold: the fd, the allocation handle and the mapping.
-
-        The physical memory goes back to the device once no process maps it any more: at
-        once in copy mode (clients cloned and unmapped), or when the last zero-copy engine
-        unmaps. Views still held inside this process keep the local mapping until they go.
-        """
-        if self._memory is None:
-            return
+    def _release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        cu = _cuda.driver()
-        with contextlib.suppress(TransportError):
-            _cuda.synchronize(self.ordinal)
-        _cuda.check(cu.cuMemRelease(self._handle), "cuMemRelease")
+        _cuda.check(_cuda.driver().cuMemRelease(self._handle), "cuMemRelease")
         self._handle = None
-        self._tensor = None
-        self._memory = None  # unmaps now unless a view in this process still holds it
 
 
 class VmmImported(_cuda.MappedImport):
