@@ -17,6 +17,7 @@ import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -38,21 +39,25 @@ def _describe_mode(mode: int) -> str:
     return oct(stat.S_IMODE(mode))
 
 
-def _check_owned_dir(path: Path) -> os.stat_result:
-    """lstat `path`; refuse a symlink, a non-directory, or a directory of another uid."""
+def _lstat_ours(path: Path, what: str, kind: str, is_kind: Callable[[int], bool]) -> os.stat_result:
+    """lstat `path`; refuse a symlink, something other than a `kind`, or another uid's file."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no socket directory", str(path)) from None
+        raise FileNotFoundError(errno.ENOENT, f"no {what}", str(path)) from None
     if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket directory {path} is a symlink; refusing to use it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise SecurityError(f"socket directory {path} is not a directory")
+        raise SecurityError(f"{what} {path} is a symlink; refusing to use it")
+    if not is_kind(st.st_mode):
+        raise SecurityError(f"{what} {path} is not a {kind}")
     if st.st_uid != os.getuid():
         raise SecurityError(
-            f"socket directory {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
+            f"{what} {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
         )
     return st
+
+
+def _check_owned_dir(path: Path) -> os.stat_result:
+    return _lstat_ours(path, "socket directory", "directory", stat.S_ISDIR)
 
 
 def check_dir(path: Path, *, private: bool) -> None:
@@ -127,16 +132,7 @@ def socket_refusal(path: str | os.PathLike, private_dir: str | os.PathLike) -> s
 
 def check_socket_file(path: Path) -> None:
     """Refuse a socket path that is a symlink, not a socket, or owned by someone else."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no daemon socket", str(path)) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket {path} is a symlink; refusing to connect")
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SecurityError(f"{path} is not a socket")
-    if st.st_uid != os.getuid():
-        raise SecurityError(f"socket {path} is owned by uid {st.st_uid}, not by us")
+    _lstat_ours(path, "daemon socket", "socket", stat.S_ISSOCK)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

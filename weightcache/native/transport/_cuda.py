@@ -244,6 +244,35 @@ class DeviceArena:
         """Release what the transport holds besides the mapping (fds, handles)."""
 
 
+class CudaTransport:
+    """What the CUDA transports share: availability, allocation, and the checks before a map."""
+
+    name: str = ""
+    arena: type[DeviceArena] = DeviceArena
+
+    def available(self, device: torch.device) -> bool:
+        return cuda_usable(device)
+
+    def allocate(self, nbytes: int, device: torch.device) -> DeviceArena:
+        if not self.available(device):
+            raise TransportUnavailableError(f"{self.name} cannot serve {device}")
+        return self.arena(nbytes, device_ordinal(device))
+
+    def target(self, meta: dict[str, Any], device: torch.device) -> int:
+        """The ordinal to map onto: a usable CUDA device that is the GPU holding the arena."""
+        ordinal = device_ordinal(device)
+        if not self.available(device):
+            raise TransportUnavailableError(f"{self.name} cannot map onto {device}")
+        mine = device_uuid(ordinal)
+        theirs = meta.get("uuid")
+        if theirs and theirs != mine:
+            raise TransportError(
+                f"the daemon's arena lives on GPU {theirs}, this process uses {mine} "
+                f"({device}); check CUDA_VISIBLE_DEVICES and the socket's GPU"
+            )
+        return ordinal
+
+
 def _run_release(ordinal: int, release: Callable[[], None]) -> None:
     try:
         make_current(ordinal)

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from ..gpu import device_uuid
 from . import _cuda
-from .base import Imported, TransportError, TransportUnavailableError
+from .base import Imported, TransportError
 
 NAME = "cuda_ipc"
 HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
@@ -124,30 +123,14 @@ class IpcImported(_cuda.MappedImport):
         self._adopt(memory, nbytes)
 
 
-class IpcTransport:
+class IpcTransport(_cuda.CudaTransport):
     name = NAME
-
-    def available(self, device: torch.device) -> bool:
-        return _cuda.cuda_usable(device)
-
-    def allocate(self, nbytes: int, device: torch.device) -> IpcArena:
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_ipc cannot serve {device}")
-        return IpcArena(nbytes, _cuda.device_ordinal(device))
+    arena = IpcArena
 
     def attach(self, meta: dict[str, Any], fds: list[int], device: torch.device) -> Imported:
         for fd in fds:  # this transport passes no fds; never leak any that came
             os.close(fd)
-        ordinal = _cuda.device_ordinal(device)
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_ipc cannot map onto {device}")
-        mine = device_uuid(ordinal)
-        theirs = meta.get("uuid")
-        if theirs and theirs != mine:
-            raise TransportError(
-                f"the daemon's arena lives on GPU {theirs}, this process uses {mine} ({device})"
-            )
-        return IpcImported(meta, ordinal)
+        return IpcImported(meta, self.target(meta, device))
 
 
 TRANSPORT = IpcTransport()

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from ..gpu import device_uuid
 from . import _cuda
-from .base import Imported, TransportError, TransportUnavailableError
+from .base import Imported, TransportError
 
 NAME = "cuda_vmm"
 
@@ -155,16 +154,9 @@ class VmmImported(_cuda.MappedImport):
         self._adopt(_cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _unmap(ptr, size)), nbytes)
 
 
-class VmmTransport:
+class VmmTransport(_cuda.CudaTransport):
     name = NAME
-
-    def available(self, device: torch.device) -> bool:
-        return _cuda.cuda_usable(device)
-
-    def allocate(self, nbytes: int, device: torch.device) -> VmmArena:
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_vmm cannot serve {device}")
-        return VmmArena(nbytes, _cuda.device_ordinal(device))
+    arena = VmmArena
 
     def attach(self, meta: dict[str, Any], fds: list[int], device: torch.device) -> Imported:
         if len(fds) != 1:
@@ -172,16 +164,7 @@ class VmmTransport:
                 os.close(fd)
             raise TransportError(f"cuda_vmm expects 1 fd, got {len(fds)}")
         try:
-            ordinal = _cuda.device_ordinal(device)
-            if not self.available(device):
-                raise TransportUnavailableError(f"cuda_vmm cannot map onto {device}")
-            mine = device_uuid(ordinal)
-            theirs = meta.get("uuid")
-            if theirs and theirs != mine:
-                raise TransportError(
-                    f"the daemon's arena lives on GPU {theirs}, this process uses {mine} "
-                    f"({device}); check CUDA_VISIBLE_DEVICES and the socket's GPU"
-                )
+            ordinal = self.target(meta, device)
         except BaseException:
             os.close(fds[0])
             raise
