@@ -227,23 +227,12 @@ async def _cache_round(
     await h.call(
         "POST",
         url,
-        {
-            "apiVersion": C.API_VERSION,
-            "kind": C.KIND,
-            "metadata": {
-                "name": name,
-                "namespace": NS,
-                "uid": str(uuid.uuid4()),
-                "resourceVersion": "1",
-                "generation": 1,
-            },
-            "spec": {
-                "runtime": "native",
-                "model": {"path": "/models/m"},
-                "parallelism": {"tensor": 8 * size, "nodes": size},
-                "placement": {"nodeSelector": {"pool": "gpu"}},
-            },
-        },
+        emulator.cache_object(name, NS, {
+            "runtime": "native",
+            "model": {"path": "/models/m"},
+            "parallelism": {"tensor": 8 * size, "nodes": size},
+            "placement": {"nodeSelector": {"pool": "gpu"}},
+        }),
     )
     await h.wait_phase(name, "Placing", 120)
     placed_s = time.perf_counter() - t0
