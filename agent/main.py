@@ -98,10 +98,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_RUNTIME
-    log.info("cache %s/%s node %s: node rank %d of %d, %d local rank(s) on %s, epoch %d, "
-             "runtime %s", cfg.env.namespace, cfg.env.cache, cfg.env.node, cfg.node_rank,
-             cfg.node_count, len(runtime.ranks()), ",".join(d.uuid for d in cfg.devices),
-             cfg.plan.epoch, runtime.name)
+    log.info("cache %s/%s (uid %s) node %s: node rank %d of %d, %d local rank(s) on %s, "
+             "epoch %d, runtime %s", cfg.env.namespace, cfg.env.cache, cfg.plan.uid or "?",
+             cfg.env.node, cfg.node_rank, cfg.node_count, len(runtime.ranks()),
+             ",".join(d.uuid for d in cfg.devices), cfg.plan.epoch, runtime.name)
 
     from weightcache.agent.grpc_service import GrpcServer
     from weightcache.agent.health import serve_http

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightcache.contracts.vocabulary import DTYPES as DTYPE_CHOICES
 from weightcache.contracts.vocabulary import (
+    DTYPES,
     EXIT_BAD_INPUT,
     EXIT_ERROR,
     EXIT_LOCKED,
@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-cache-socket-dir", default=None)
     p.add_argument("--shard-rule", action="append", default=None)
     p.add_argument("--no-shard-rules", action="store_true")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--role", choices=(*ROLES, *ROLE_ALIASES), default=ROLE_TARGET)
     p.add_argument("--transport", default=None)
     p.add_argument("--allow-uid", type=int, action="append", default=[])

@@ -30,8 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
-from weightcache.contracts.vocabulary import DTYPES as DTYPE_CHOICES
-from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
+from weightcache.contracts.vocabulary import DTYPES, EXIT_BAD_INPUT, EXIT_SECURITY
 
 from .lifetime import request_parent_death_signal
 
@@ -124,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
                    help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--transport", default=None, help="arena transport (default: best available)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop all ranks when the process that started us dies (for supervisors)")

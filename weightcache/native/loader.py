@@ -17,13 +17,10 @@ from typing import Any
 
 import torch
 
-from weightcache.contracts.vocabulary import DTYPES
-
 from .checkpoint import Checkpoint, TensorInfo
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
-DTYPE_CHOICES = DTYPES
 _BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
