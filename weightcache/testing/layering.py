@@ -8,7 +8,10 @@ This mirrors the installed package in a temporary folder (symlinks: every entry 
 `weightcache/`, plus each mapped folder at its import name, read from setup.py's `ROOTS`) and
 runs `lint-imports` there, so the contracts cover exactly the modules a wheel ships.
 
-    python -m weightcache.testing.layering      # exit status of lint-imports
+    python -P -m weightcache.testing.layering   # exit status of lint-imports
+
+(`-P`: the repository root must not come first on sys.path, its `operator/` would shadow the
+standard library's `operator`.)
 """
 
 from __future__ import annotations
@@ -59,11 +62,18 @@ def lint_imports_command() -> list[str]:
     found = str(script) if script.exists() else shutil.which("lint-imports")
     if not found:
         raise RuntimeError("lint-imports is not installed: pip install -e '.[test]'")
-    return [found, "--config", str(REPO / ".importlinter"), "--no-cache", "--no-logo"]
+    return [found, "--no-cache", "--no-logo"]
 
 
 def run_in(root: Path, capture: bool = False) -> subprocess.CompletedProcess[str]:
-    """lint-imports over the mirror at `root` (its folder first on the import path)."""
+    """lint-imports over the mirror at `root` (its folder first on the import path).
+
+    The contract file is linked into `root`, where lint-imports looks for it by default (the
+    `--config` option is deprecated in newer import-linter releases).
+    """
+    config = root / ".importlinter"
+    if not os.path.lexists(config):
+        config.symlink_to(REPO / ".importlinter")
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run(
         lint_imports_command(), cwd=root, env=env, text=True, capture_output=capture,
