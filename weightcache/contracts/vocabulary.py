@@ -20,8 +20,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 MODES = ("zero_copy", "copy")
 
 # Model roles of a daemon rank: the model the engine serves, and its speculative draft.
-# "target" is vLLM's word (and the gRPC API's and the metrics' `role` label); the draft's
-# sockets are `<identity>_draft.sock`, the target's `<identity>.sock` (vLLM's names).
+# "target" is speculative decoding's word for the served model, and the value of the gRPC API's
+# and the metrics' `role`. Socket file names do not spell the role: native sockets are
+# `<identity>.sock` / `<identity>_draft.sock`, vLLM's `<md5 of the GPU UUID>` with `_draft`.
 ROLE_TARGET = "target"
 ROLE_DRAFT = "draft"
 ROLES = (ROLE_TARGET, ROLE_DRAFT)

@@ -47,10 +47,7 @@ def device_identity(kind: str, index: int) -> str:
 def socket_path(
     socket_dir: str | os.PathLike, device_identity: str, role: str = ROLE_TARGET
 ) -> Path:
-    """`<dir>/<identity>.sock` for the target model, `<dir>/<identity>_draft.sock` for a draft.
-
-    The names are vLLM's (`weight_cache` sockets), so engines of either runtime find them.
-    """
+    """`<dir>/<identity>.sock` for the target model, `<dir>/<identity>_draft.sock` for a draft."""
     role = canonical_role(role)
     if not device_identity or "/" in device_identity or device_identity.startswith("."):
         raise ValueError(f"bad device identity {device_identity!r}")
