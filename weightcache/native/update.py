@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .content import FIELD as CONTENT_FIELD
-from .content import content_identity
-from .loader import Layout, LayoutError, load_into_arena, plan_layout
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena
+from .rankplan import plan_rank_shard
 from .sharding import ShardingError, ShardRule
 
 if TYPE_CHECKING:
@@ -143,7 +142,7 @@ class _Histogram:
 
 
 def layout_differences(
-    old_table: list[dict[str, Any]], old_aliases: dict[str, str], new: Layout
+    old_table: list[dict[str, Any]], old_aliases: dict[str, str], new: ArenaLayout
 ) -> list[str]:
     """Names whose entry (dtype, shape, offset, size) or alias target differs, sorted."""
     old = {r["name"]: r for r in old_table}
@@ -381,9 +380,8 @@ class RankUpdater:
                 raise UpdateError(proto.E_BAD_REQUEST, "update_stage needs a model directory")
             try:
                 ckpt = open_checkpoint(model)
-                layout = plan_layout(ckpt, rules=cfg.rules, tp_size=cfg.tp_size,
-                                     tp_rank=cfg.tp_rank, dtype=cfg.dtype,
-                                     aliases=tied_aliases(ckpt))
+                layout, fingerprint = plan_rank_shard(ckpt, cfg.rules, tp_size=cfg.tp_size,
+                                                      tp_rank=cfg.tp_rank, dtype=cfg.dtype)
             except (CheckpointError, ShardingError, OSError) as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, str(exc)) from None
             diff = layout_differences(server.table, server.aliases, layout)
@@ -394,20 +392,19 @@ class RankUpdater:
                     + ", ".join(diff[:MAX_NAMED]),
                     tensors=diff[:MAX_NAMED], count=len(diff),
                 )
-            before = content_identity(ckpt)
             buffer = _staging(layout.nbytes, server.device)
             try:
                 load_into_arena(layout, buffer)
-            except (LayoutError, OSError, RuntimeError) as exc:
+            except (ArenaLayoutError, OSError, RuntimeError) as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
-            after = content_identity(ckpt)
-            if after != before:
+            try:  # the identity was taken before reading: the files must not have moved since
+                _, after = plan_rank_shard(ckpt, cfg.rules, tp_size=cfg.tp_size,
+                                           tp_rank=cfg.tp_rank, dtype=cfg.dtype)
+            except OSError as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            if after != fingerprint:
                 raise UpdateError(proto.E_BAD_REQUEST,
                                   f"{model} changed while it was being staged; retry")
-            fingerprint = fp.compute(ckpt, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
-                                     dtype=cfg.dtype, shard_rules=[r.text for r in cfg.rules],
-                                     aliases=layout.aliases)
-            fingerprint[CONTENT_FIELD] = after
             digest = _sha256(buffer)
         elif source == "push":
             if len(fds) != 1:

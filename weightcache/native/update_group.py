@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from weightcache.contracts.vocabulary import ROLE_TARGET, ROLES, canonical_role
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -40,12 +42,14 @@ class UpdateFailed(RuntimeError):
         self.code, self.broken, self.detail = code, broken, detail or {}
 
 
-def discover(socket_dir: Path, role: str = "main") -> list[Path]:
-    """Every daemon socket of this node in `socket_dir` (one per rank and role)."""
-    suffix = ".sock" if role == "main" else f"_{role}.sock"
+def discover(socket_dir: Path, role: str = ROLE_TARGET) -> list[Path]:
+    """Every daemon socket of this node in `socket_dir` of one role (one per rank)."""
+    role = canonical_role(role)
+    suffix = ".sock" if role == ROLE_TARGET else f"_{role}.sock"
     found = []
     for path in sorted(socket_dir.iterdir()):
-        if not path.name.endswith(suffix) or (role == "main" and "_" in path.name):
+        # Identities hold no "_" (GPU UUIDs, cpu-<hash>-<i>): only role suffixes do.
+        if not path.name.endswith(suffix) or (role == ROLE_TARGET and "_" in path.name):
             continue
         if path.is_socket() and not path.is_symlink():
             found.append(path)
@@ -254,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-path", action="append", default=None,
                    help="a daemon socket to update (repeatable; default: every main socket "
                         "in the socket directory)")
-    p.add_argument("--role", choices=("main", "draft"), default="main")
+    p.add_argument("--role", choices=(*ROLES, "main"), default=ROLE_TARGET,
+                   help="which daemons: the target model's or the draft's")
     p.add_argument("--force", action="store_true",
                    help="update even while zero_copy engines that cannot pause are attached "
                         "(they see the bytes change under running work)")
