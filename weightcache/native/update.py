@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -180,9 +181,22 @@ def _sha256(buf: torch.Tensor) -> str:
 
 
 def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host staging: pinned for a CUDA arena, so the paused copy runs at the link's speed."""
-    pin = device.type == "cuda"
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """Host staging; page-locked for a CUDA arena, so the paused copy runs at the link's speed.
+
+    Pinned by cudaHostRegister over an exact-size allocation rather than `pin_memory=True`:
+    torch's pinned allocator rounds up to a power of two (16 GB would pin 32 GB)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if device.type != "cuda" or nbytes == 0:
+        return buf
+    runtime = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = runtime.cudaHostRegister(ptr, nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (%s): torch's pinned allocator", nbytes,
+                    err)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buf, runtime.cudaHostUnregister, ptr)  # before the memory is freed
+    return buf
 
 
 class RankUpdater:
