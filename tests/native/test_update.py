@@ -321,3 +321,21 @@ def test_engines_of_other_uids_cannot_update(ckpt, ckpt_b, sock_dir, preload):
     assert table["ok"] is True
     assert query(sock, "hello")["update"] == {**query(sock, "hello")["update"], "phase": "idle",
                                               "generation": 1}
+
+
+def test_daemon_gone_mid_update_keeps_the_engine_stopped(daemon, ckpt, ckpt_b, sock_dir):
+    """Between begin and finish the bytes may be half written: a vanished daemon is broken."""
+    import signal
+
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    gate, broken = ModelGate(), []
+    part = follow_updates(res, gate=gate, on_broken=broken.append)
+    try:
+        with raw_connect(daemon, 30) as c:
+            update = _stage(c, ckpt_b)
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            os.kill(query(daemon, "hello")["pid"], signal.SIGKILL)
+            assert part.wait_for("broken")
+    finally:
+        part.close()
+    assert gate.closed and broken and "during an update" in broken[0]

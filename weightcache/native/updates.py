@@ -99,6 +99,9 @@ class UpdateParticipant:
         self.generation = generation
         self.events: list[dict[str, Any]] = []  # every event handled, for logs and tests
         self._seen = threading.Condition()
+        self._paused = False  # between an acknowledged begin and its finish/resumed
+        self._closing = False
+        self._ended = False
         self.broken: str | None = None
         self._sock = connect(self.path, timeout=connect_timeout_s)
         hello, _ = request(self._sock, "watch",
@@ -129,26 +132,45 @@ class UpdateParticipant:
                 elif kind == "broken":
                     self.broken = str(event.get("message", "broken"))
                     if self.on_broken is not None:
-                        self.on_broken(self.broken)
+                        try:
+                            self.on_broken(self.broken)
+                        except Exception:
+                            log.exception("weightcache: on_broken failed")
                 with self._seen:
                     self.events.append(event)
                     self._seen.notify_all()
         except (OSError, proto.ProtocolError):
             return
         finally:
-            if self.gate is not None and self.gate.closed and self.broken is None:
-                self.gate.open()  # the daemon went away: nothing will rewrite our bytes
+            if self._paused and not self._closing and self.broken is None:
+                # The daemon went away between begin and finish: the bytes may be half written.
+                self.broken = "the daemon's update stream closed during an update"
+                if self.on_broken is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_broken(self.broken)
+            with self._seen:
+                self._ended = True
+                self._seen.notify_all()
 
     def _pause(self, event: dict[str, Any]) -> None:
         if self.gate is not None:
             self.gate.close()
-        if self.on_pause is not None:
-            self.on_pause()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # in-flight kernels read the weights too
+        try:
+            if self.on_pause is not None:
+                self.on_pause()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # in-flight kernels read the weights too
+        except Exception:
+            # No ack: the daemon's pause deadline expires and the update is called off.
+            log.exception("weightcache: on_pause failed; not pausing for this update")
+            if self.gate is not None:
+                self.gate.open()
+            return
+        self._paused = True
         proto.send_frame(self._sock, {"ack": "paused", "update": event.get("update")})
 
     def _resumed(self, event: dict[str, Any]) -> None:
+        self._paused = False
         generation = event.get("generation")
         changed = bool(event.get("changed"))
         if isinstance(generation, int):
@@ -156,17 +178,32 @@ class UpdateParticipant:
         try:
             if self.on_resume is not None:
                 self.on_resume(int(self.generation or 0), changed)
-        finally:
-            if self.gate is not None:
-                self.gate.open()
+        except Exception as exc:
+            # What the engine derived from the weights may be stale: never run it. The gate
+            # stays closed and the engine is told, as for a broken cache.
+            log.exception("weightcache: on_resume(%s, %s) failed", self.generation, changed)
+            self.broken = f"on_resume failed: {type(exc).__name__}: {exc}"
+            if self.on_broken is not None:
+                with contextlib.suppress(Exception):
+                    self.on_broken(self.broken)
+            return
+        if self.gate is not None:
+            self.gate.open()
 
     def wait_for(self, kind: str, count: int = 1, timeout: float = 60.0) -> bool:
-        """Wait until `count` events of `kind` ("finish", "resumed", "broken") were handled."""
+        """Wait until `count` events of `kind` ("finish", "resumed") were handled; for
+        "broken", until the engine was told its weights cannot be trusted (or the stream ended).
+        """
+        def done() -> bool:
+            if kind == "broken":
+                return self.broken is not None or self._ended
+            return sum(e.get("event") == kind for e in self.events) >= count
+
         with self._seen:
-            return self._seen.wait_for(
-                lambda: sum(e.get("event") == kind for e in self.events) >= count, timeout)
+            return self._seen.wait_for(done, timeout)
 
     def close(self) -> None:
+        self._closing = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
