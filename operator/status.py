@@ -216,6 +216,39 @@ def observed(
     )
 
 
+MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
+
+
+def failed(
+    previous: Mapping[str, Any],
+    *,
+    reason: str,
+    message: str,
+    generation: int | None,
+    nodes: Sequence[NodeState] = (),
+    epoch: int | None = None,
+) -> dict[str, Any]:
+    """The operator cannot converge: the API server rejected a write, pods are not created.
+
+    `reason` is a condition reason (ApplyRejected, ApplyFailed, FailedCreate, PodSecurity);
+    `message` says what the server said, so `kubectl get wc` shows the cause.
+    """
+    message = message[:MAX_MESSAGE]
+    return build(
+        previous,
+        phase="Failed",
+        wanted={
+            READY: Cond(False, reason, message),
+            PROGRESSING: Cond(False, reason, message),
+            DEGRADED: Cond(True, reason, message),
+        },
+        generation=generation,
+        epoch=epoch,
+        nodes=nodes,
+        message=message,
+    )
+
+
 # phase -> (event type, reason) posted when a cache enters the phase.
 PHASE_EVENTS = {
     "Placing": ("Normal", "Placed"),
@@ -224,6 +257,7 @@ PHASE_EVENTS = {
     "Degraded": ("Warning", "Degraded"),
     "Invalid": ("Warning", "InvalidSpec"),
     "Unschedulable": ("Warning", "Unschedulable"),
+    "Failed": ("Warning", "Failed"),  # the event takes the Ready condition's reason
 }
 
 
@@ -233,12 +267,14 @@ def transition_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[st
     if phase not in PHASE_EVENTS:
         return None
     changed = old.get("phase") != phase
-    if phase in ("Invalid", "Unschedulable") and old.get("message") != new.get("message"):
+    if phase in ("Invalid", "Unschedulable", "Failed") and old.get("message") != new.get("message"):
         changed = True
     if not changed:
         return None
     kind, reason = PHASE_EVENTS[phase]
     ready = next((c for c in new.get("conditions", []) if c["type"] == READY), {})
+    if phase == "Failed":
+        reason = ready.get("reason") or reason
     message = new.get("message") or ready.get("message") or phase
     return kind, reason, message
 
