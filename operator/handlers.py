@@ -218,8 +218,8 @@ class Controller:
         elif result.replaced:
             epoch += 1
             message = (
-                f"re-placed the group on {', '.join(result.nodes)} (lost "
-                f"{', '.join(result.replaced)}); restarting all members with epoch {epoch}"
+                f"re-placed the group on {S.node_list(result.nodes)} (lost "
+                f"{S.node_list(result.replaced)}); restarting all members with epoch {epoch}"
             )
             await self.event(body, "Warning", "Replaced", message)
             logger.warning(message)

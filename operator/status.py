@@ -16,6 +16,14 @@ from weightcache.operator.spec import Problem
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
+NODES_NAMED = 8  # messages name this many nodes, then count the rest
+
+
+def node_list(names: Sequence[str]) -> str:
+    """Names for a message: a 256-node group must not make a message of 65 000 characters."""
+    shown = ", ".join(names[:NODES_NAMED])
+    return shown if len(names) <= NODES_NAMED else f"{shown} and {len(names) - NODES_NAMED} more"
 
 
 def now() -> str:
@@ -68,7 +76,7 @@ def conditions(
             "type": kind,
             "status": status,
             "reason": cond.reason,
-            "message": cond.message,
+            "message": cond.message[:MAX_MESSAGE],
             "lastTransitionTime": prev.get("lastTransitionTime")
             if prev.get("status") == status
             else now(),
@@ -102,7 +110,7 @@ def build(
         "readyNodes": sum(1 for n in nodes if n.ready),
         "nodes": [n.as_status() for n in nodes],
         "bytesCached": previous.get("bytesCached", 0) if bytes_cached is None else bytes_cached,
-        "message": message,
+        "message": message[:MAX_MESSAGE],
     }
     if generation is not None:
         status["observedGeneration"] = generation
@@ -180,7 +188,7 @@ def observed(
             DEGRADED: Cond(False, "AsExpected"),
         }
     elif was_ready:
-        missing = ", ".join(n.node for n in nodes if not n.ready)
+        missing = node_list([n.node for n in nodes if not n.ready])
         message = f"{ranks} ranks ready; not ready on {missing}"
         phase = "Degraded"
         wanted = {
@@ -190,7 +198,7 @@ def observed(
         }
     elif pods_seen == 0:
         phase = "Placing"
-        message = f"placed on {', '.join(n.node for n in nodes)}; waiting for agent pods"
+        message = f"placed on {node_list([n.node for n in nodes])}; waiting for agent pods"
         wanted = {
             READY: Cond(False, "Placing", message),
             PROGRESSING: Cond(True, "Placing", message),
@@ -214,9 +222,6 @@ def observed(
         bytes_cached=bytes_cached,
         message="" if phase == "Ready" else wanted[READY].message,
     )
-
-
-MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
 
 
 def failed(

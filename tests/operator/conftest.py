@@ -219,12 +219,15 @@ class ApiGuard:
 
     def __init__(self) -> None:
         self.violations: list[str] = []
-        self.checked: list[tuple[str, str]] = []  # (method, kind/name) of judged writes
+        self.checked: list[tuple[str, str, str]] = []  # (method, kind/name, agent) judged
         self.reject: list[Rejecter] = []
+        # Namespace objects by name: kmock cannot store Namespaces (it parses
+        # /api/v1/namespaces/<name> as a namespace prefix), so the guard serves them.
+        self.namespaces: dict[str, dict] = {}
 
     def judge(self, emulator: Any, request: Any) -> str | None:
         agent = str((request.headers or {}).get("User-Agent", ""))
-        if request.resource is None or agent.startswith("Python/"):  # the test's own client
+        if request.resource is None or agent.startswith("kmock/"):  # the test's own client
             return None
         if request.action == enums.action.CREATE:
             obj = request.data or {}
@@ -240,9 +243,10 @@ class ApiGuard:
         else:
             return None
         meta = obj.get("metadata") or {}
-        self.checked.append((str(request.method), f"{obj.get('kind')}/{meta.get('name')}"))
+        method = str(getattr(request.method, "value", request.method)).upper()
+        self.checked.append((method, f"{obj.get('kind')}/{meta.get('name')}", agent))
         for rejecter in self.reject:
-            message = rejecter(str(request.method), obj)
+            message = rejecter(method, obj)
             if message:
                 return message
         problems = apirules.check(obj, crd_schema=WC_SCHEMA)
@@ -261,6 +265,10 @@ def api_guard(monkeypatch) -> ApiGuard:
     original = KubernetesEmulator._handle
 
     async def guarded(self: Any, request: Any) -> aiohttp.web.StreamResponse:
+        parts = request.url.path.strip("/").split("/")
+        namespace_get = parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 4
+        if namespace_get and request.method.value.upper() == "GET" and parts[3] in guard.namespaces:
+            return aiohttp.web.json_response(guard.namespaces[parts[3]])
         message = guard.judge(self, request)
         if message is None:
             return await original(self, request)

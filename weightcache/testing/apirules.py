@@ -17,6 +17,7 @@ for the extreme specs the CRD schema allows (tests/operator/test_apirules.py).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -200,6 +201,11 @@ RULES: dict[str, Rule] = {
             "algorithm.go Prune",
         ),
         Rule(
+            "object.size",
+            "one object is at most etcd's default request limit, 1.5 MiB",
+            "etcd server/embed/config.go DefaultMaxRequestBytes (kube-apiserver stores through it)",
+        ),
+        Rule(
             "daemonset.tolerations",
             "the DaemonSet controller adds tolerations for not-ready/unreachable NoExecute, "
             "disk/memory/pid-pressure and unschedulable NoSchedule, and network-unavailable "
@@ -293,6 +299,7 @@ VOLUME_SOURCES = {
     "image",
 }
 MAX_INT32 = 2147483647
+MAX_OBJECT_BYTES = 1536 * 1024
 # Lowest accepted value of each probe field once the API server has defaulted it.
 PROBE_MINIMUM = {
     "initialDelaySeconds": 0,
@@ -755,6 +762,8 @@ def check(
     """
     out = _Out()
     kind = obj.get("kind") or ""
+    size = len(json.dumps(obj))
+    out.need(size <= MAX_OBJECT_BYTES, "object.size", "", f"{size} bytes")
     _metadata(out, obj.get("metadata") or {}, kind, kind in NAMESPACED)
     if kind == "WeightCache":
         _weightcache(out, obj, crd_schema)
@@ -774,3 +783,89 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[key] = merge_patch(result.get(key), value)
     return result
+
+
+# ---------------------------------------------------------------------------- scheduling
+
+
+def daemonset_controller_tolerations(host_network: bool) -> list[dict[str, str]]:
+    """The tolerations the DaemonSet controller adds to every pod it creates.
+
+    pkg/controller/daemon/util/daemonset_util.go AddOrUpdateDaemonPodTolerations.
+    """
+    tolerations = [
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"},
+        {"key": "node.kubernetes.io/disk-pressure", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/memory-pressure", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/pid-pressure", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    if host_network:
+        tolerations.append(
+            {
+                "key": "node.kubernetes.io/network-unavailable",
+                "operator": "Exists",
+                "effect": "NoSchedule",
+            }
+        )
+    return tolerations
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Toleration.ToleratesTaint (staging/src/k8s.io/api/core/v1/toleration.go)."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    op = toleration.get("operator") or "Equal"
+    if op == "Exists":
+        return True
+    return op == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def schedulable_despite(taints: list[Mapping[str, Any]], pod: Mapping[str, Any]) -> bool:
+    """Whether a pod's tolerations cover every NoSchedule/NoExecute taint (TaintToleration)."""
+    tolerations = pod.get("tolerations") or []
+    return all(
+        any(tolerates(t, taint) for t in tolerations)
+        for taint in taints
+        if taint.get("effect") in ("NoSchedule", "NoExecute")
+    )
+
+
+# ---------------------------------------------------------------------------- Pod Security
+
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}  # fmt: skip
+
+
+def pod_security_violations(spec: Mapping[str, Any], level: str) -> list[str]:
+    """What in a PodSpec the PodSecurity admission plugin refuses at `level` (baseline checks).
+
+    Restates the baseline checks of k8s.io/pod-security-admission/policy this project can
+    break: check_hostPathVolumes.go, check_hostNamespaces.go, check_privileged.go,
+    check_capabilities_baseline.go, check_hostPorts.go. `privileged` allows everything.
+    """
+    if level == "privileged":
+        return []
+    found = []
+    for vol in spec.get("volumes") or []:
+        if vol.get("hostPath") is not None:
+            found.append(f"hostPath volume {vol.get('name')!r}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            found.append(f"{key}=true")
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            found.append(f"container {c.get('name')!r} privileged")
+        added = set((sc.get("capabilities") or {}).get("add") or []) - BASELINE_CAPABILITIES
+        if added:
+            found.append(f"container {c.get('name')!r} adds {sorted(added)}")
+        for port in c.get("ports") or []:
+            if port.get("hostPort"):
+                found.append(f"container {c.get('name')!r} hostPort {port['hostPort']}")
+    return found
