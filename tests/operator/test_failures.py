@@ -6,6 +6,8 @@ make it refuse valid writes, the way a real server's admission plugins or quotas
 
 from __future__ import annotations
 
+from tests.chart import rbac_eval
+from tests.chart.conftest import rendered
 from tests.operator.conftest import NS, eventually
 from tests.operator.test_operator import TP16, cm_url, ds_url, phase_is, svc_url
 from weightcache import constants as C
@@ -129,3 +131,32 @@ async def test_item6_a_baseline_namespace_is_reported_before_pods_are_refused(
     # The group is still applied, so relabelling the namespace is all it takes.
     assert await cluster.get(ds_url("tiny")) is not None
     assert "PodSecurity" in await warning_reasons(cluster)
+
+
+def assert_chart_rbac_allows_every_operator_request(kmock) -> set[tuple[str, str]]:
+    """kmock ignores RBAC: judge every request the operator sent by the chart's ClusterRole."""
+    roles = [d for d in rendered("default") if d["kind"] in ("ClusterRole", "Role")]
+    roles = [r for r in roles if r["metadata"]["name"].endswith("-operator")]
+    made = set()
+    for request in list(kmock):
+        agent = str(request.headers.get("User-Agent", ""))
+        if agent.startswith("kmock/"):
+            continue  # the test's own requests
+        attrs = rbac_eval.attributes(request.method.value, request.url.path, request.params)
+        if attrs is not None:
+            made.add(attrs)
+    denied = sorted(str(a) for a in made if not rbac_eval.allowed(a, roles))
+    assert not denied, denied
+    return {(a.verb, a.resource) for a in made}
+
+
+async def test_pod_security_detection_needs_only_the_charts_rbac(cluster, api_guard, operator):
+    """The namespace read and the DaemonSet event list are granted by the chart's role."""
+    api_guard.namespaces[NS] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    await cluster.add_node("gpu-a")
+    await cluster.create_cache(
+        "tiny", {"runtime": "native", "device": "cpu", "model": {"path": "/models/tiny"}}
+    )
+    await phase_is(cluster, "tiny", "Placing")
+    used = assert_chart_rbac_allows_every_operator_request(cluster.kmock)
+    assert {("get", "namespaces"), ("list", "events"), ("create", "daemonsets")} <= used
