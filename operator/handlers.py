@@ -315,8 +315,8 @@ class Controller:
                 generation=generation,
                 bytes_cached=cached,
             )
-        if level != podsecurity.PRIVILEGED:
-            new["podSecurity"] = level  # the webhook warns engine pods from this
+        # The webhook warns engine pods from this; null removes a stale value (merge patch).
+        new["podSecurity"] = level if level != podsecurity.PRIVILEGED else None
         ready_nodes = list(ranks) if new["phase"] == "Ready" else []
         await self._finish(body, key, previous, new, labels_by_node, ready_nodes=ready_nodes)
         return new["phase"]
