@@ -85,10 +85,8 @@ DGX1_NVLINKS = {
 
 def dgx1_volta_score(a: int, b: int) -> int:
     a, b = min(a, b), max(a, b)
-    if a // 4 != b // 4:
-        pcie = CROSS_CPU
-    else:
-        pcie = SINGLE_SWITCH if a // 2 == b // 2 else HOST_BRIDGE
+    same_socket, same_switch = a // 4 == b // 4, a // 2 == b // 2
+    pcie = (SINGLE_SWITCH if same_switch else HOST_BRIDGE) if same_socket else CROSS_CPU
     return DGX1_NVLINKS.get((a, b), 0) * NVLINK_PER_LINK + pcie
 
 
