@@ -158,3 +158,16 @@ def test_visible_from_env_and_smi() -> None:
     assert al.visible_from_env(",".join(ids)) == ids
     assert al.visible_from_env("all") is None and al.visible_from_env("0,1") is None
     assert al.visible_from_smi(f"{ids[1]}\n\n{ids[0]}\n[N/A]\n") == [ids[1], ids[0]]
+
+
+def test_native_client_rank_devices(tmp_path) -> None:
+    from weightcache.native import alignment as native
+
+    gpus = node_map(8, 4)
+    ids = uuids(8)
+    (tmp_path / al.MAP_NAME).write_text(json.dumps(al.build_map({}, list(gpus.values()))))
+    visible = [ids[6], ids[4], ids[7], ids[5]]  # this process's cuda:0..3
+    devices = native.rank_devices(4, socket_dir=tmp_path, visible=visible)
+    assert devices == [1, 3, 0, 2]  # tp_rank r attaches on cuda:devices[r]
+    assert [gpus[visible[d]].tp_rank for d in devices] == [0, 1, 2, 3]
+    assert native.rank_devices(4, socket_dir=tmp_path / "none", visible=visible) == [0, 1, 2, 3]
