@@ -23,7 +23,9 @@ import socket
 import struct
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -34,6 +36,16 @@ from weightcache.contracts import alignment as al
 
 log = logging.getLogger("weightcache.agent.alignment")
 READ_TIMEOUT_S = 2.0
+RECENT_MISSES = 32  # what gRPC Status carries for the operator's events
+
+
+@dataclass(frozen=True)
+class Miss:
+    seq: int
+    pod: str
+    result: str
+    detail: str
+    missed_ranks: int
 
 
 def holdings(cfg: AgentConfig, ranks: Sequence[RankSpec]) -> list[al.Holding]:
@@ -95,6 +107,8 @@ class ReportServer:
         self.path = os.path.join(cfg.socket_dir, al.REPORT_SOCKET)
         self.results = dict.fromkeys(al.RESULTS, 0)
         self.missed_ranks = 0
+        self._recent: deque[Miss] = deque(maxlen=RECENT_MISSES)
+        self._seq = 0
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -152,16 +166,24 @@ class ReportServer:
             raise ValueError("not an alignment report")
         ranks = doc.get("ranks") if isinstance(doc.get("ranks"), list) else []
         missed = [r for r in ranks if isinstance(r, dict) and r.get("hit") is False]
+        pod = str(doc.get("pod"))[:253]
+        detail = "; ".join(
+            f"rank {r.get('local')} (tp_rank {r.get('tpRank')}) on {r.get('gpu')} holding "
+            f"tp_rank {r.get('heldTpRank')}" for r in missed[:16]
+        )
         with self._lock:
             self.results[doc["result"]] += 1
             self.missed_ranks += len(missed)
+            if missed:
+                self._seq += 1
+                self._recent.append(Miss(self._seq, pod, doc["result"], detail[:900], len(missed)))
         if missed:
-            detail = "; ".join(
-                f"rank {r.get('local')} (tp_rank {r.get('tpRank')}) on {r.get('gpu')} holding "
-                f"tp_rank {r.get('heldTpRank')}" for r in missed[:16]
-            )
             log.warning("engine %s started %s: %d rank(s) load from disk: %s",
-                        str(doc.get("pod"))[:253], doc["result"], len(missed), detail)
+                        pod, doc["result"], len(missed), detail)
+
+    def recent(self) -> list[Miss]:
+        with self._lock:
+            return list(self._recent)
 
     def collector(self) -> Collector:
         server = self

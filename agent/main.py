@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
         reports.stop()
         return EXIT_PORT
     try:
-        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"])
+        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"], alignment=reports)
     except OSError as exc:
         log.error("gRPC port %s:%d unavailable: %s", host, cfg.ports["grpc"], exc)
         http.shutdown()

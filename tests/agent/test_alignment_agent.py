@@ -38,5 +38,8 @@ def test_agent_publishes_map_and_counts_engine_starts(agents, vllm_bin):
     for w in want:
         assert w in text
     assert "started partial: 1 rank(s) load from disk" in agent.log()
+    (miss,) = agent.status().alignment_misses  # what the operator turns into a pod event
+    assert (miss.seq, miss.pod, miss.result, miss.missed_ranks) == (1, "engine-a", "partial", 1)
+    assert f"rank 1 (tp_rank 1) on {ids[2]} holding tp_rank 0" in miss.detail
     assert agent.terminate() == 0
     assert not os.path.exists(os.path.join(agent.socket_dir, al.REPORT_SOCKET))
