@@ -90,7 +90,7 @@ def test_admitted_env_aligns_a_real_interpreter(webhook: LocalWebhook, make_cach
         _, patched = admit(webhook, pod)
         node.publish()
         env = {k: e["value"] for k, e in env_of(patched).items() if "value" in e}
-        env.update(PATH=os.environ["PATH"], POD_NAME="serve-args-x1",
+        env.update(PATH=os.environ["PATH"], POD_NAME="serve-args-x1", TMPDIR=root,
                    NVIDIA_VISIBLE_DEVICES=f"{node.ids[3]},{node.ids[6]}")
         out = os.path.join(root, "seen.json")
         probe = ("import json, os, sys; order = os.environ['CUDA_VISIBLE_DEVICES'].split(',');"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from tests.agent.plans import gpu_uuids, make_plan
@@ -25,6 +26,7 @@ def test_agent_publishes_map_and_counts_engine_starts(agents, vllm_bin):
            al.ENV_SOCKET_DIR: agent.socket_dir, al.ENV_TP: "2", "POD_NAME": "engine-a"}
     for given in ([ids[1], ids[2]], [ids[0], ids[2]]):  # covering, then two tp_rank-0 GPUs
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(given)
+        env["TMPDIR"] = tempfile.mkdtemp(dir=agent.sock_root)  # each start a fresh container
         subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
     want = ('weightcache_engine_alignment_total{cache="llama",result="aligned"} 1.0',
             'weightcache_engine_alignment_total{cache="llama",result="partial"} 1.0',

@@ -167,7 +167,8 @@ def test_native_client_rank_devices(tmp_path) -> None:
     ids = uuids(8)
     (tmp_path / al.MAP_NAME).write_text(json.dumps(al.build_map({}, list(gpus.values()))))
     visible = [ids[6], ids[4], ids[7], ids[5]]  # this process's cuda:0..3
-    devices = native.rank_devices(4, socket_dir=tmp_path, visible=visible)
+    devices = native.rank_devices(4, socket_dir=tmp_path, visible=visible, report=False)
     assert devices == [1, 3, 0, 2]  # tp_rank r attaches on cuda:devices[r]
     assert [gpus[visible[d]].tp_rank for d in devices] == [0, 1, 2, 3]
-    assert native.rank_devices(4, socket_dir=tmp_path / "none", visible=visible) == [0, 1, 2, 3]
+    missing = tmp_path / "none"
+    assert native.rank_devices(4, socket_dir=missing, visible=visible) == [0, 1, 2, 3]

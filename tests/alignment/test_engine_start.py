@@ -82,6 +82,8 @@ class Node:
         }
         if visible is not None:
             env["NVIDIA_VISIBLE_DEVICES"] = ",".join(visible)
+        # Each engine start is a fresh container: its own /tmp.
+        env["TMPDIR"] = tempfile.mkdtemp(dir=self.root)
         env.update(extra)
         return env
 
@@ -222,3 +224,39 @@ def test_report_listener_refuses_garbage_and_keeps_serving(node: Any) -> None:
             s.sendall(payload)
     n.start_engine(n.engine_env([n.ids[0], n.ids[1]]))
     assert n.wait_reports(1)["aligned"] == 1
+
+
+def test_later_interpreters_of_a_container_reuse_the_decision(node: Any) -> None:
+    n = node(2)
+    n.publish()
+    env = n.engine_env([n.ids[3], n.ids[2]])
+    first, _ = n.start_engine(env)
+    assert first["CUDA_VISIBLE_DEVICES"] == f"{n.ids[2]},{n.ids[3]}"
+    # `kubectl exec ... python`: the container's spec environment, same /tmp, a fresh tree.
+    again, stderr = n.start_engine(env)
+    assert again["CUDA_VISIBLE_DEVICES"] == first["CUDA_VISIBLE_DEVICES"] and stderr == ""
+    assert n.wait_reports(1)["aligned"] == 1
+    assert sum(n.reports.results.values()) == 1  # one container start, one report
+
+
+def test_mig_devices_are_left_alone(node: Any) -> None:
+    n = node(2)
+    n.publish()
+    env = n.engine_env(None, NVIDIA_VISIBLE_DEVICES="MIG-4f1a2b3c-0000-1111-2222-333344445555")
+    record, stderr = n.start_engine(env)
+    assert record["CUDA_VISIBLE_DEVICES"] is None and "MIG devices are not aligned" in stderr
+
+
+def test_native_client_reports_once(node: Any, monkeypatch: Any) -> None:
+    from weightcache.native import alignment as native
+
+    n = node(2)
+    n.publish()
+    monkeypatch.setenv(al.ENV_ACTIVE, "")  # restored afterwards, whatever the call sets
+    monkeypatch.setenv("POD_NAME", "native-engine")
+    visible = [n.ids[1], n.ids[3]]  # both hold tp_rank 1: rank 1 hits, rank 0 misses
+    assert native.rank_devices(2, socket_dir=n.socket_dir, visible=visible) == [1, 0]
+    assert native.rank_devices(2, socket_dir=n.socket_dir, visible=visible) == [1, 0]
+    assert n.wait_reports(1)["partial"] == 1 and n.reports.missed_ranks == 1
+    assert sum(n.reports.results.values()) == 1
+    assert n.reports.recent()[0].pod == "native-engine"

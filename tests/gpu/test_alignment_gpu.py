@@ -59,7 +59,7 @@ def test_torch_nvidia_smi_and_map_agree_on_the_uuid(socket_dir: Path) -> None:
     assert gpu_map.gpus[real].tp_rank == 0
     # The native client's path: torch's identities -> align -> device index for rank 0.
     assert native_alignment.visible_identities("cuda")[0] == real
-    assert native_alignment.rank_devices(2, socket_dir=socket_dir)[0] == 0
+    assert native_alignment.rank_devices(2, socket_dir=socket_dir, report=False)[0] == 0
     a = native_alignment.plan(2, socket_dir=socket_dir)
     assert a.order[0] == real and a.ranks[0].hit
 
@@ -73,12 +73,14 @@ def test_engine_interpreter_gets_the_mapped_gpu_as_cuda0(socket_dir: Path) -> No
              "'count': torch.cuda.device_count(), 'cuda0': cuda_identity(0)}, "
              "open(sys.argv[1], 'w'))\n")
     out = socket_dir.parent / "seen.json"
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    drop = ("CUDA_VISIBLE_DEVICES", al.ENV_ACTIVE)  # a fresh container has neither
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update({
         "PYTHONPATH": f"{socket_dir / al.PYTHON_DIR}:{env.get('PYTHONPATH', '')}",
         al.ENV_SOCKET_DIR: str(socket_dir), al.ENV_TP: "2", "POD_NAME": "gpu-test",
         # `all` (or indices) makes the engine side ask the real nvidia-smi.
         "NVIDIA_VISIBLE_DEVICES": "all",
+        "TMPDIR": str(socket_dir.parent),  # a fresh container's /tmp
     })
     proc = subprocess.run([sys.executable, "-c", probe, str(out)], env=env,
                           capture_output=True, text=True, timeout=300)

@@ -27,6 +27,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ ENV_TP = "WEIGHTCACHE_ALIGN_TP"
 ENV_DP_LOCAL = "WEIGHTCACHE_ALIGN_DP_LOCAL"
 ENV_DP_START = "WEIGHTCACHE_ALIGN_DP_START"
 ENV_ACTIVE = "WEIGHTCACHE_ALIGN_DONE"
+MARKER_NAME = "weightcache-alignment.json"
 
 
 class MapError(ValueError):
@@ -322,6 +324,8 @@ def plan_environment(environ: Mapping[str, str]) -> tuple[Alignment | None, str,
     socket_dir = environ.get(ENV_SOCKET_DIR, "")
     if environ.get("CUDA_VISIBLE_DEVICES"):
         return None, "CUDA_VISIBLE_DEVICES is already set; its order is kept", socket_dir
+    if "MIG-" in environ.get("NVIDIA_VISIBLE_DEVICES", ""):
+        return None, "MIG devices are not aligned (the map names whole GPUs)", socket_dir
     tp = int(environ.get(ENV_TP) or "1")
     dp_local = int(environ.get(ENV_DP_LOCAL) or "1")
     dp_start = int(environ[ENV_DP_START]) if environ.get(ENV_DP_START) else None
@@ -332,25 +336,57 @@ def plan_environment(environ: Mapping[str, str]) -> tuple[Alignment | None, str,
     return align(visible, gpu_map.gpus, tp, dp_local=dp_local, dp_start=dp_start), "", socket_dir
 
 
+def _marker() -> str:
+    """Where a container's first decision is kept (its writable /tmp, per container start)."""
+    return os.path.join(tempfile.gettempdir(), MARKER_NAME)
+
+
+def _reuse_marker(environ: MutableMapping[str, str]) -> bool:
+    """Apply an earlier decision of this container (a `kubectl exec` interpreter, say)."""
+    try:
+        with open(_marker(), encoding="utf-8") as fh:
+            order = json.load(fh).get("order")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if isinstance(order, str) and order:
+        environ["CUDA_VISIBLE_DEVICES"] = order
+    return True
+
+
+def _write_marker(order: str) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".wc-align-", dir=tempfile.gettempdir())
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"order": order}, fh)
+        os.replace(tmp, _marker())
+    except OSError:
+        pass  # read-only root file system: later exec'd interpreters decide again
+
+
 def apply_to_environ(environ: MutableMapping[str, str]) -> Alignment | None:
     """Set CUDA_VISIBLE_DEVICES in rank order, say so on stderr, report to the agent.
 
     Runs in the engine's first Python process, before CUDA starts; processes it starts inherit
-    the variable and are left alone. Only raises for bugs (the caller swallows those too).
+    the variable and are left alone, and later interpreters of the same container (exec'd
+    tools, probes) reuse its decision from a marker file, so each container start is decided,
+    logged and counted once. Only raises for bugs (the caller swallows those too).
     """
     if not environ.get(ENV_TP) or environ.get(ENV_ACTIVE):
         return None
-    environ[ENV_ACTIVE] = "1"  # once per container, whatever happens below
+    environ[ENV_ACTIVE] = "1"  # once per process tree, whatever happens below
+    if _reuse_marker(environ):
+        return None
     try:
         alignment, reason, socket_dir = plan_environment(environ)
     except (MapError, OSError, ValueError, subprocess.SubprocessError) as exc:
         alignment, reason, socket_dir = None, str(exc), environ.get(ENV_SOCKET_DIR, "")
     pod = environ.get("POD_NAME") or socket.gethostname()
+    if alignment is not None and alignment.hits:
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(alignment.order)
+    _write_marker(environ.get("CUDA_VISIBLE_DEVICES", "") if alignment is not None else "")
     if alignment is None:
         _say(f"GPU alignment skipped: {reason}")
         return None
-    if alignment.hits:
-        environ["CUDA_VISIBLE_DEVICES"] = ",".join(alignment.order)
     line = describe(alignment)
     if alignment.result == "aligned":
         _say(f"GPU alignment: {line}; CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Sequence
 
 from weightcache import constants as C
@@ -47,11 +48,14 @@ def plan(
 def rank_devices(
     tp_size: int, *, socket_dir: str | os.PathLike | None = None,
     visible: Sequence[str] | None = None, kind: str = "cuda", dp_local: int = 1,
+    report: bool = True,
 ) -> list[int]:
     """Device index for each logical rank (`[tp_rank + group * tp_size]`).
 
     Without a map (no agent, other cache layout) the answer is the identity order, which is
-    what the engine would have done anyway; misses are logged with the GPUs and ranks.
+    what the engine would have done anyway; misses are logged with the GPUs and ranks, and
+    (`report`) the first call of a process tree tells the node agent, whose metrics count it.
+    Call it once, in the engine's launcher, before starting the rank processes.
     """
     if visible is None:
         visible = visible_identities(kind, None if kind == "cuda" else tp_size * dp_local)
@@ -64,4 +68,10 @@ def rank_devices(
         return list(range(min(len(visible), tp_size * dp_local)))
     if alignment.result != "aligned":
         log.warning("weightcache: GPU alignment %s: %s", alignment.result, al.describe(alignment))
+    if report and not os.environ.get(al.ENV_ACTIVE):
+        # Once per process tree, like the vLLM path: the agent counts engine starts.
+        os.environ[al.ENV_ACTIVE] = "1"
+        directory = str(socket_dir or os.environ.get(C.ENV_SOCKET_DIR) or "")
+        pod = os.environ.get("POD_NAME") or socket.gethostname()
+        al.send_report(directory, al.report(alignment, pod=pod))
     return [al.device_for_rank(alignment, visible, r.local) for r in alignment.ranks]
