@@ -23,7 +23,7 @@ from weightcache.contracts.ranks import ParallelFlags, plan_local_ranks
 
 
 def uuids(n: int) -> list[str]:
-    return [f"GPU-{i:02x}aaaa-0000-1111-2222-33334444{i:04x}" for i in range(n)]
+    return [f"GPU-{i:02x}00aaaa-0000-1111-2222-33334444{i:04x}" for i in range(n)]
 
 
 def node_map(gpus: int, tp: int) -> dict[str, al.Holding]:
@@ -172,3 +172,16 @@ def test_native_client_rank_devices(tmp_path) -> None:
     assert [gpus[visible[d]].tp_rank for d in devices] == [0, 1, 2, 3]
     missing = tmp_path / "none"
     assert native.rank_devices(4, socket_dir=missing, visible=visible) == [0, 1, 2, 3]
+
+
+def test_uuid_spellings_match_the_agents_canonical_form() -> None:
+    from weightcache.native.gpu import normalize_uuid
+
+    for raw in ("GPU-3F0C1A2B-1111-2222-3333-444455556666", "3f0c1a2b111122223333444455556666",
+                "GPU-3f0c1a2b-1111-2222-3333-444455556666"):
+        assert al.canonical(raw) == normalize_uuid(raw)  # one rule, two homes, kept equal
+    gpus = node_map(8, 2)
+    ids = uuids(8)
+    shouted = [ids[3].upper(), ids[0].upper()]
+    a = al.align(shouted, gpus, 2)
+    assert a.result == "aligned" and a.order == (shouted[1], shouted[0])  # container's strings

@@ -22,7 +22,7 @@ import pytest
 
 from weightcache.contracts import alignment as al
 from weightcache.native import alignment as native_alignment
-from weightcache.native.identity import cuda_identity
+from weightcache.native.identity import device_identity
 
 pytestmark = pytest.mark.gpu
 OTHER = "GPU-00000000-1111-2222-3333-444444444444"  # a GPU this process does not see
@@ -50,10 +50,10 @@ def socket_dir():
 
 
 def test_torch_nvidia_smi_and_map_agree_on_the_uuid(socket_dir: Path) -> None:
-    real = cuda_identity(0)
+    real = device_identity("cuda", 0)
     smi = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
                          capture_output=True, text=True, check=True, timeout=30).stdout
-    assert real in al.visible_from_smi(smi)
+    assert real in [al.canonical(u) for u in al.visible_from_smi(smi)]
     publish(socket_dir, real, 0)
     gpu_map = al.read_map(str(socket_dir))
     assert gpu_map.gpus[real].tp_rank == 0
@@ -65,12 +65,12 @@ def test_torch_nvidia_smi_and_map_agree_on_the_uuid(socket_dir: Path) -> None:
 
 
 def test_engine_interpreter_gets_the_mapped_gpu_as_cuda0(socket_dir: Path) -> None:
-    real = cuda_identity(0)
+    real = device_identity("cuda", 0)
     publish(socket_dir, real, 0)
     probe = ("import json, os, sys, torch\n"
-             "from weightcache.native.identity import cuda_identity\n"
+             "from weightcache.native.identity import device_identity\n"
              "json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), "
-             "'count': torch.cuda.device_count(), 'cuda0': cuda_identity(0)}, "
+             "'count': torch.cuda.device_count(), 'cuda0': device_identity('cuda', 0)}, "
              "open(sys.argv[1], 'w'))\n")
     out = socket_dir.parent / "seen.json"
     drop = ("CUDA_VISIBLE_DEVICES", al.ENV_ACTIVE)  # a fresh container has neither
@@ -87,6 +87,6 @@ def test_engine_interpreter_gets_the_mapped_gpu_as_cuda0(socket_dir: Path) -> No
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(out.read_text())
     print("seen", seen, proc.stderr.strip())
-    assert seen["cvd"].split(",")[0] == real
+    assert al.canonical(seen["cvd"].split(",")[0]) == real
     assert seen["cuda0"] == real  # the driver honoured the UUID form
     assert "GPU alignment" in proc.stderr

@@ -43,7 +43,7 @@ LAYOUTS: dict[str, Layout] = {"interleaved (ours)": interleaved, "blocked": bloc
 
 
 def uuid(g: int) -> str:
-    return f"GPU-bench{g:04x}-0000-0000-0000-000000000000"
+    return f"GPU-0000{g:04x}-0000-0000-0000-000000000000"
 
 
 def holdings(tp: int, layout: Layout) -> dict[str, al.Holding]:

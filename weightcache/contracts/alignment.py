@@ -37,6 +37,9 @@ MAP_VERSION = 1
 MAX_MAP_BYTES = 256 * 1024
 MAX_REPORT_BYTES = 16 * 1024
 UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]{1,80}$")
+# The canonical form the agent keys GPUs by (weightcache.native.gpu.normalize_uuid: lower-case
+# hex, 8-4-4-4-12); repeated here because engines run this file alone. A test keeps them equal.
+_CANON_RE = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12})$")
 CPU_RE = re.compile(r"^cpu-[0-9a-f]{1,64}-[0-9]{1,6}$")
 RESULTS = ("aligned", "partial", "missed", "skipped")
 PYTHON_DIR = "python"  # <socket_dir>/python/sitecustomize.py, put on the engine's PYTHONPATH
@@ -108,11 +111,20 @@ class Alignment:
 # ------------------------------------------------------------------------------ the map
 
 
+def canonical(uuid: str) -> str:
+    """`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` in lower case; anything else unchanged."""
+    m = _CANON_RE.match(uuid.strip())
+    if not m:
+        return uuid.strip()
+    h = m.group(1).replace("-", "").lower()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
 def build_map(identity: Mapping[str, object], holdings: Sequence[Holding]) -> dict:
     """The JSON document the agent publishes (docs/alignment.md, "The GPU map")."""
     gpus: dict[str, dict] = {}
     for h in holdings:
-        entry = gpus.setdefault(h.uuid, {
+        entry = gpus.setdefault(canonical(h.uuid), {
             "tpRank": h.tp_rank, "tpSize": h.tp_size, "dpRank": h.dp_rank,
             "replica": h.replica, "globalRank": h.global_rank, "sockets": {},
         })
@@ -155,6 +167,7 @@ def parse_map(text: str | bytes) -> GpuMap:
             for k, v in sockets.items()
         ):
             raise MapError(f"{where}.sockets must map roles to file names")
+        uuid = canonical(uuid)
         gpus[uuid] = Holding(
             uuid=uuid, tp_rank=tp_rank, tp_size=tp_size, dp_rank=_int(entry, "dpRank", where),
             replica=_int(entry, "replica", where), global_rank=_int(entry, "globalRank", where),
@@ -198,6 +211,9 @@ def align(
     if tp_size < 1 or dp_local < 1:
         raise ValueError(f"tp_size and dp_local must be >= 1, got {tp_size}, {dp_local}")
     visible = list(dict.fromkeys(visible))  # a GPU listed twice is one GPU
+    # Sources spell UUIDs differently (case, dashes): match on the canonical form, but write
+    # back the strings the container itself reported.
+    gpus = {u: h for u in visible if (h := gpus.get(canonical(u))) is not None}
     wanted = min(len(visible), tp_size * dp_local)
     free = list(visible)
     chosen: list[str | None] = [None] * wanted
