@@ -30,7 +30,7 @@ from typing import Any
 import kopf
 
 from weightcache import constants as C
-from weightcache.operator import agentstatus, events, podsecurity
+from weightcache.operator import agentstatus, alignment_events, events, podsecurity
 from weightcache.operator import nodes as node_labels
 from weightcache.operator import resources as R
 from weightcache.operator import status as S
@@ -120,6 +120,8 @@ class Controller:
     locks: dict[CacheKey, asyncio.Lock] = field(default_factory=dict)
     triggers: dict[CacheKey, asyncio.Event] = field(default_factory=dict)
     statuses: dict[CacheKey, dict[str, Any]] = field(default_factory=dict)
+    # Per cache: agent address -> the last alignment miss already posted as an event.
+    alignment_seen: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     ranks: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     phases: dict[CacheKey, str] = field(default_factory=dict)
     node_summaries: dict[str, tuple] = field(default_factory=dict)
@@ -134,7 +136,8 @@ class Controller:
                 event.set()
 
     def forget(self, key: CacheKey) -> None:
-        for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks):
+        for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks,
+                      self.alignment_seen):
             table.pop(key, None)
         self.metrics.set_phases(Counter(self.phases.values()))
 
@@ -284,11 +287,16 @@ class Controller:
                 for pod in current.values()
                 if pod.ready and pod.ip
             ]
-            cached = (
-                await agentstatus.group_bytes(addresses, self.options.agent_status_timeout_s)
+            cached, misses = (
+                await agentstatus.group_status(addresses, self.options.agent_status_timeout_s)
                 if addresses
-                else 0
+                else (0, {})
             )
+            seen = self.alignment_seen.setdefault(key, {})
+            await self.post_events(
+                alignment_events.events_for(seen, body["metadata"], misses, EVENT_SOURCE))
+            for gone in set(seen) - set(addresses):
+                del seen[gone]
         else:
             cached = None
         pods_seen = sum(1 for pod in pods if pod.node in ranks)
@@ -473,6 +481,16 @@ class Controller:
                 await self.event(body, *event)
         self.statuses[key] = new
 
+    async def post_events(self, bodies: list[dict[str, Any]]) -> None:
+        """Post ready-made core/v1 Events (best effort, like `event`)."""
+        assert self.kube is not None
+        for event in bodies:
+            try:
+                await self.kube.create(events.events_path(event["metadata"]["namespace"]), event)
+            except (TimeoutError, ApiError, OSError) as exc:
+                logging.getLogger(__name__).warning("event %s not posted: %s",
+                                                    event["reason"], exc)
+
     async def event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         """Post a core/v1 Event about the cache (best effort: a lost event is only logged)."""
         assert self.kube is not None
@@ -481,10 +499,7 @@ class Controller:
             events.cache_ref(meta), type_=kind, reason=reason, message=message,
             component=EVENT_SOURCE,
         )
-        try:
-            await self.kube.create(events.events_path(meta["namespace"]), event)
-        except (TimeoutError, ApiError, OSError) as exc:
-            logging.getLogger(__name__).warning("event %s not posted: %s", reason, exc)
+        await self.post_events([event])
 
     async def cleanup(self, body: Mapping[str, Any], nodes_index: Mapping[str, Any]) -> None:
         """Delete owned objects (ownerReferences would too, but not before the finalizer
