@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "update": "weightcache.bench.update",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
+    "alignment": "weightcache.bench.alignment",
 }
 
 
