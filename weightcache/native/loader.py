@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,15 +135,20 @@ def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
     return raw.view(info.dtype).view(info.shape)
 
 
-def load_into_arena(layout: Layout, flat: torch.Tensor) -> None:
-    """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes)."""
+def load_into_arena(
+    layout: Layout, flat: torch.Tensor, *, progress: Callable[[int], None] | None = None
+) -> Any:
+    """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
+
+    `progress(n)` is called with the arena bytes of each piece as it is filled. On CUDA the
+    cold loader's `LoadStats` is returned (None on the CPU path).
+    """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise LayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     if flat.is_cuda:
         from .coldload import load_layout  # pinned, multi-threaded reads + async H2D copies
 
-        load_layout(layout, flat)
-        return
+        return load_layout(layout, flat, progress=progress)
     by_file: dict[Any, list[Entry]] = {}
     for entry in layout.entries:
         by_file.setdefault(entry.source.file, []).append(entry)
@@ -163,9 +168,12 @@ def load_into_arena(layout: Layout, flat: torch.Tensor) -> None:
                 dst = flat[entry.offset : entry.offset + entry.nbytes]
                 dst.view(entry.dtype).view(entry.spec.shape).copy_(src)
                 del src, dst
+                if progress is not None:
+                    progress(entry.nbytes)
         finally:
             with contextlib.suppress(BufferError):
                 filemap.close()
+    return None
 
 
 def tensors_from_table(
