@@ -288,7 +288,7 @@ def attach_scaling(workdir: Path) -> list[dict[str, Any]]:
         path = sparse_checkpoint(workdir / f"sparse-{tensors}-{gb}", tensors, int(gb * GB))
         sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
         try:
-            launcher = Launcher(path, sockdir, {"WEIGHTCACHE_LOAD_PREFETCH": "0"})
+            launcher = Launcher(path, sockdir)
             try:
                 a = attach_figures(path, launcher.socket, 10)
                 a.pop("profile", None)
@@ -349,9 +349,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["loader_cold"] = _safe("loader cold", g.coldload_runs, model_dir, cfgs, True)
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
     if grid:
-        r["preload_cold_no_prefetch"] = _safe("preload cold, no prefetch", preload_once,
+        r["preload_cold_prefetch"] = _safe("preload cold, prefetch on", preload_once,
                                               model_dir, files, True,
-                                              {"WEIGHTCACHE_LOAD_PREFETCH": "0"})
+                                              {"WEIGHTCACHE_LOAD_PREFETCH": "1"})
     g._warm(files)
     r["load_file_warm"] = _safe("load_file warm", g.time_load_file, files)
     r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)

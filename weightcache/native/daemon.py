@@ -59,7 +59,9 @@ MAX_CONNECTIONS = 64
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
-# Warm the page cache with the checkpoint while torch and CUDA start (prefetch.py); 0 = off.
+# Warm the page cache with the checkpoint while torch and CUDA start (prefetch.py); 1 = on.
+# Off by default: on the H200 VM with every cache dropped it competed with the imports' own
+# reads and made READY 1.1 s later (docs/performance.md).
 PREFETCH_ENV = "WEIGHTCACHE_LOAD_PREFETCH"
 LOADING_INTERVAL_S = 0.5  # how often a loading rank reports its bytes on stdout
 
@@ -427,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     phases: dict[str, float] = {}
     mark = time.monotonic()
     prefetcher = None
-    if os.environ.get(PREFETCH_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}:
+    if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
         prefetcher = Prefetcher(ckpt.files).start()
 
     def phase(name: str) -> None:
@@ -488,6 +490,7 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.synchronize(device)
         finally:
             ticker.stop()
+        done.add(layout.nbytes - done.value)  # the alignment padding between tensors
         report()
         phase("fill_seconds")
         load_seconds = time.monotonic() - t0
@@ -525,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
                     "bytes": layout.nbytes,
                     "tensors": len(layout.entries),
                     "load_seconds": round(load_seconds, 4),
-                    "load_gb_per_s": round(layout.nbytes / load_seconds / 1e9, 3)
+                    "load_gb_per_s": float(f"{layout.nbytes / load_seconds / 1e9:.4g}")
                     if load_seconds > 0 else None,
                     "phases": phases,
                     "prefetch": prefetched,

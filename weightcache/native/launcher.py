@@ -357,8 +357,10 @@ def main(argv: list[str]) -> int:
                     "sockets": [i.get("socket") for i in infos],
                     "bytes": total,
                     "seconds": round(elapsed, 3),
-                    "gb_per_s": round(total / elapsed / 1e9, 3) if elapsed > 0 else None,
+                    "gb_per_s": float(f"{total / elapsed / 1e9:.4g}") if elapsed > 0 else None,
                     "load_seconds": [i.get("load_seconds") for i in infos],
+                    "rank_loads": [{k: i.get(k) for k in ("load_gb_per_s", "phases", "loader")}
+                                   for i in infos],
                     "pids": [r.proc.pid for r in ranks],
                     "global_ranks": [r.place.global_rank for r in ranks],
                     "tp_ranks": [r.place.tp_rank for r in ranks],
