@@ -35,9 +35,11 @@ import torch
 from .residency import resident
 
 MiB = 1 << 20
-DEFAULT_THREADS = 16
-# Each thread pins 2 x chunk; a power of two matches torch's pinned-memory size classes.
-DEFAULT_CHUNK = 16 * MiB
+# Reads in flight, not their size, set the virtual disk's rate (H200 VM, 16 GB cold: 16 x 16 MiB
+# 1.72 GB/s, 16 x 32 MiB 1.77, 32 x 16 MiB 1.85): many threads, each pinning 2 x chunk.
+DEFAULT_THREADS = 32
+# A power of two matches torch's pinned-memory size classes; 32 x 2 x 8 MiB = 512 MiB pinned.
+DEFAULT_CHUNK = 8 * MiB
 PAGE = 4096
 
 

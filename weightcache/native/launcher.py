@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device_count(kind: str) -> int:
     if kind == "cuda":
-        import torch
+        from .gpu import visible_device_count  # torch-free: the ranks import torch themselves
 
-        return torch.cuda.device_count()
+        return visible_device_count()
     return os.cpu_count() or 1
 
 

@@ -110,11 +110,14 @@ def plan_layout(
     aliases = dict(aliases or {})
     entries: list[Entry] = []
     offset = 0
+    targets: dict[str, torch.dtype] = {}  # per safetensors tag: this runs on every attach
     for name, info in ckpt.tensors.items():
         if name in aliases:
             continue
         spec = plan_shard(name, info.shape, rules, tp_size, tp_rank)
-        out = target_dtype(info.dtype, dtype)
+        out = targets.get(info.tag)
+        if out is None:
+            out = targets[info.tag] = target_dtype(info.dtype, dtype)
         numel = 1
         for d in spec.shape:
             numel *= d
@@ -182,9 +185,11 @@ def tensors_from_table(
     """Named views into `flat`; aliases map to the very same tensor object as their target.
 
     Every row is checked against the buffer so a bad table raises LayoutError, never reads
-    out of bounds.
+    out of bounds. This runs on every attach (hundreds of rows), so each view is made with
+    one `as_strided` on a per-dtype view of the arena instead of a chain of three views.
     """
     size = flat.numel()
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for row in table:
         try:
@@ -193,21 +198,34 @@ def tensors_from_table(
             shape, stride = list(row["shape"]), list(row["stride"])
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"malformed tensor table row {row!r}: {exc}") from None
-        ints = [offset, nbytes, *shape, *stride]
-        if not isinstance(name, str) or not all(isinstance(v, int) and v >= 0 for v in ints):
+        if (
+            not isinstance(name, str)
+            or not isinstance(offset, int) or offset < 0
+            or not isinstance(nbytes, int) or nbytes < 0
+            or len(stride) != len(shape)
+        ):
             raise LayoutError(f"malformed tensor table row {row!r}")
-        if len(stride) != len(shape) or stride != _contiguous(shape):
-            raise LayoutError(f"tensor {name!r}: only contiguous strides are supported")
         numel = 1
-        for d in shape:
-            numel *= d
-        if numel * dtype.itemsize != nbytes or offset + nbytes > size:
+        for i in range(len(shape) - 1, -1, -1):  # contiguous strides, checked as they are built
+            d, st = shape[i], stride[i]
+            if not isinstance(d, int) or not isinstance(st, int) or d < 0 or st < 0:
+                raise LayoutError(f"malformed tensor table row {row!r}")
+            if st != numel:
+                raise LayoutError(f"tensor {name!r}: only contiguous strides are supported")
+            numel *= max(d, 1)
+        itemsize = dtype.itemsize
+        if 0 in shape:
+            numel = 0
+        if numel * itemsize != nbytes or offset + nbytes > size:
             raise LayoutError(f"tensor {name!r}: {nbytes} bytes at {offset} do not fit the arena")
-        if offset % dtype.itemsize:
+        if offset % itemsize:
             raise LayoutError(f"tensor {name!r}: offset {offset} is not aligned for {dtype}")
         if name in out:
             raise LayoutError(f"tensor {name!r} appears twice in the table")
-        out[name] = flat[offset : offset + nbytes].view(dtype).view(shape)
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = flat[: size - size % itemsize].view(dtype)
+        out[name] = base.as_strided(shape, stride, offset // itemsize)
     for alias, target in (aliases or {}).items():
         if target not in out or not isinstance(alias, str):
             raise LayoutError(f"alias {alias!r} points at unknown tensor {target!r}")
