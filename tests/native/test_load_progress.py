@@ -181,3 +181,43 @@ def test_health_shows_bytes_loaded_and_ready_carries_the_rate(ckpt, sock_dir, pr
     p.proc.send_signal(signal.SIGTERM)
     _, err = p.proc.communicate(timeout=30)
     assert "preload tiny: loaded" in err and "GB/s" in err
+
+
+def test_prefetcher_warms_files_in_order_and_skips_resident_ranges(tmp_path):
+    from weightcache.native.prefetch import Prefetcher
+
+    files = []
+    for name in ("b.safetensors", "a.safetensors"):
+        path = tmp_path / name
+        path.write_bytes(os.urandom(3 << 20))
+        files.append(path)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if resident_pages(fd, 0, 1) is None:
+            os.close(fd)
+            pytest.skip("this kernel answers neither cachestat nor mincore")
+        os.close(fd)
+    p = Prefetcher(files, threads=2, chunk=1 << 20)
+    assert [(f.name, off) for f, off, _ in p._pieces][:4] == [
+        ("a.safetensors", 0), ("a.safetensors", 1 << 20), ("a.safetensors", 2 << 20),
+        ("b.safetensors", 0)]
+    p.start()
+    deadline = time.monotonic() + 30
+    while p.read_bytes + p.skipped_bytes < (6 << 20) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done = p.stop()
+    assert done["read_bytes"] + done["skipped_bytes"] == 6 << 20
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        assert resident(fd, 0, 3 << 20)
+        os.close(fd)
+    again = Prefetcher(files, threads=2, chunk=1 << 20).start()
+    deadline = time.monotonic() + 30
+    while again.skipped_bytes < (6 << 20) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert again.stop() == {"read_bytes": 0, "skipped_bytes": 6 << 20,
+                            "seconds": again.stop()["seconds"]}
+    limited = Prefetcher(files, chunk=1 << 20, limit_bytes=(2 << 20) + 1)
+    assert len(limited._pieces) == 2

@@ -24,7 +24,6 @@ import json
 import os
 import pstats
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -153,15 +152,9 @@ class Launcher:
                                      text=True, env={**os.environ, **(env or {})})
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
-        self.ready: dict[str, Any] = {}
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("READY "):
-                self.ready = json.loads(line[len("READY "):])
-                break
+        self.ready = g.first_json_line(self.proc, "READY ")
         self.wall = time.perf_counter() - self.t0
         if not self.ready:
-            self.proc.wait()
             raise RuntimeError(f"preload exited {self.proc.returncode}: {self.stderr[-5:]}")
 
     def _drain(self) -> None:
@@ -179,13 +172,7 @@ class Launcher:
                 "progress_lines": progress[:3] + progress[-2:]}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        g.stop_process(self.proc)
 
 
 def preload_once(model: Path, files: list[Path], cold: bool, env: dict | None = None) -> dict:
