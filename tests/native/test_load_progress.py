@@ -175,7 +175,7 @@ def test_health_shows_bytes_loaded_and_ready_carries_the_rate(ckpt, sock_dir, pr
     assert ready["bytes"] >= open_checkpoint(ckpt).nbytes - 2 * 64 * 256  # tied lm_head served once
     assert ready["gb_per_s"] == pytest.approx(ready["bytes"] / ready["seconds"] / 1e9, rel=0.01)
     phases = ready["rank_loads"][0]["phases"]
-    assert {"import_seconds", "plan_seconds", "allocate_seconds", "fill_seconds"} <= set(phases)
+    assert {"startup_seconds", "plan_seconds", "allocate_seconds", "fill_seconds"} <= set(phases)
     code, body = http_status(health)
     assert code == 200 and body["bytes_loaded"] == body["bytes"] == ready["bytes"]
     p.proc.send_signal(signal.SIGTERM)

@@ -401,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     Taking the lock before importing torch makes a second daemon for the same device fail
     in a fraction of a second.
     """
+    started = time.monotonic()
     tp, rank = args.tensor_parallel_size, args.rank
     if tp < 1 or not 0 <= rank < tp:
         log.error("bad rank %d for tensor-parallel-size %d", rank, tp)
@@ -438,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     listener: socket.socket | None = None
     server: RankServer | None = None
     phases: dict[str, float] = {}
-    mark = time.monotonic()
+    mark = started
     prefetcher = None
     if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
         prefetcher = Prefetcher(ckpt.files).start()
@@ -457,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
         from .transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
-        phase("import_seconds")
+        phase("startup_seconds")  # headers, device identity (imports torch on CUDA), lock
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.empty(0, device=device)  # the CUDA context, timed on its own
