@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
+    "alignment": "weightcache.bench.alignment",
 }
 
 
