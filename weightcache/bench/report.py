@@ -24,6 +24,7 @@ SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
     "gpu": "weightcache.bench.gpu",
     "update": "weightcache.bench.update",
+    "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
     "alignment": "weightcache.bench.alignment",

@@ -281,16 +281,24 @@ def _from_cache(
             if not isinstance(table, list) or not isinstance(aliases, dict):
                 raise CacheProtocolError("get_state reply has no tensor table")
             if mode == "copy":
+                # Queued on the device; the mapping stays until the views are built and the
+                # release is sent, so that work overlaps the copy (unmapping waits for it).
                 flat = flat.clone()
-                imported.close()
             state = tensors_from_table(flat, table, aliases)
         except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         if mode == "copy":
-            released, _ = request(sock, "release")
-            if not released.get("ok"):
-                log.warning("weightcache: daemon did not release its cache: %s", released)
+            try:
+                if meta.get("transport") != "cuda_vmm":
+                    # Legacy IPC memory is freed by the exporter even while mapped here: the
+                    # copy must be done (unmapping waits for it) before the daemon may free.
+                    imported.close()
+                released, _ = request(sock, "release")
+                if not released.get("ok"):
+                    log.warning("weightcache: daemon did not release its cache: %s", released)
+            finally:
+                imported.close()
         generation = reply.get("generation")
         return state, flat.numel(), generation if isinstance(generation, int) else None
 
