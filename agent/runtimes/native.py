@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 from typing import Any
 
 from weightcache.agent.config import AgentConfig, ConfigError
@@ -26,6 +25,7 @@ from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_
 from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
 from weightcache.native import protocol
 from weightcache.native.identity import socket_path as native_socket_path
+from weightcache.native.lifetime import python_module
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -90,7 +90,7 @@ class NativeRuntime(Runtime):
 
     def command(self) -> list[str]:
         cfg, spec = self.cfg, self.cfg.spec
-        argv = [sys.executable, "-m", "weightcache.cli", "preload",
+        argv = [*python_module("weightcache.cli"), "preload",
                 "--model", spec["model"]["path"],
                 *parallel_args(self.flags),
                 "--exit-with-parent",

@@ -35,6 +35,7 @@ from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
 from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .presence import loading_daemon
 from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
@@ -52,6 +53,10 @@ class WeightCacheError(RuntimeError):
 
 class DaemonUnavailableError(WeightCacheError):
     reason = "unavailable"
+
+
+class DaemonLoadingError(DaemonUnavailableError):
+    """No socket yet, but a daemon holds its lock: it is loading (see `presence.py`)."""
 
 
 class NotReadyError(WeightCacheError):
@@ -163,6 +168,12 @@ def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
     try:
         check_socket_file(path)
     except FileNotFoundError:
+        loading = loading_daemon(path)
+        if loading:
+            raise DaemonLoadingError(
+                f"no daemon socket at {path} yet: a daemon is loading ({loading} holds"
+                f" {path}.lock); it binds the socket once the shard is loaded, retry then"
+            ) from None
         raise DaemonUnavailableError(f"no daemon socket at {path}") from None
     except SecurityError as exc:
         raise CacheSecurityError(str(exc)) from None
@@ -529,6 +540,7 @@ __all__ = [
     "CacheSecurityError",
     "CheckpointError",
     "DaemonError",
+    "DaemonLoadingError",
     "DaemonUnavailableError",
     "DeviceMismatchError",
     "FingerprintMismatchError",

@@ -69,10 +69,16 @@ class Stop(BaseException):
 
 
 class _Serving:
-    """The server and listener of this process once it serves, for the signal handler."""
+    """The server and listener of this process once it serves, for the signal handler.
+
+    `abandon` is true while a signal may abandon the load by raising `Stop`; the handler
+    clears it before raising, so a second signal (the launcher's SIGTERM after a Ctrl-C that
+    reached the whole process group) can never raise again inside the cleanup.
+    """
 
     server: RankServer | None = None
     listener: socket.socket | None = None
+    abandon: bool = True
 
 
 class Stats:
@@ -499,6 +505,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         return EXIT_ERROR
     finally:
+        # From here on signals must not interrupt: the cleanup is what they ask for.
+        _Serving.abandon = False
+        _ignore_stop_signals()
         _Serving.server = _Serving.listener = None
         if server is not None:
             server.shutdown()
@@ -512,10 +521,18 @@ def run(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     server, listener = _Serving.server, _Serving.listener
     if server is None or listener is None:
-        raise Stop()
+        if _Serving.abandon:
+            _Serving.abandon = False
+            raise Stop()
+        return
     server.stopping.set()
     # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
     # fail at once, and serve() sees the stop flag.
