@@ -54,12 +54,12 @@ def rank_pids(launcher_pid: int) -> list[int]:
 
 def assert_clean(p, sock_dir: Path, pids: list[int]) -> None:
     code = p.proc.wait(60)
+    err = p.proc.stderr.read()
     deadline = time.monotonic() + 30
     while any(map(pid_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(map(pid_alive, pids))
-    assert os.listdir(sock_dir) == [], os.listdir(sock_dir)
-    err = p.proc.stderr.read()
+    assert not any(map(pid_alive, pids)), err
+    assert os.listdir(sock_dir) == [], f"{os.listdir(sock_dir)}\n{err}"
     assert "Traceback" not in err, err
     assert code == 0, err
 

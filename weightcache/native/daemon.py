@@ -53,6 +53,7 @@ log = logging.getLogger("weightcache.daemon")
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SECURITY = 0, 1, 2, 3, 4
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 64
+ACCEPT_WAKE_S = 0.25  # how often the accept loop lets a pending signal handler run
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
@@ -326,9 +327,15 @@ class RankServer:
             self.stats.adjust("watchers", -1)
 
     def serve(self, listener: socket.socket) -> None:
+        # A process-directed signal may be delivered to any of torch's threads; then the main
+        # thread's accept() is not interrupted and Python's handler would wait for it forever.
+        # Waking up now and then lets the handler run (it then shuts the listener down).
+        listener.settimeout(ACCEPT_WAKE_S)
         while not self.stopping.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self.stopping.is_set():
                     return
