@@ -190,7 +190,7 @@ def test_fingerprint_mismatch_falls_back_or_raises(served, ckpt, caplog):
     assert res.state_dict[EMBED].dtype == torch.float32
     stats = query(ready["sockets"][0], "stats")
     assert stats["mismatches"]["dtype"] >= 2
-    assert stats["requests"]["get_state"]["fingerprint_mismatch"] >= 3
+    assert stats["requests"]["get_state"]["fingerprint_mismatch"] >= 2
 
 
 def test_same_weights_in_another_directory_match(served, ckpt, tmp_path):
