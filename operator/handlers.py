@@ -115,6 +115,7 @@ class Controller:
         for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks):
             table.pop(key, None)
         self.metrics.set_phases(Counter(self.phases.values()))
+        self.metrics.set_cache_phases(self.phases)
 
     # -- reconciliation -----------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class Controller:
             self.metrics.reconciles.labels(result="ok").inc()
             self.phases[key] = phase
             self.metrics.set_phases(Counter(self.phases.values()))
+            self.metrics.set_cache_phases(self.phases)
             return phase
 
     async def _reconcile(

@@ -124,8 +124,8 @@ def _pod_of(deployment: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
 
 
-@pytest.mark.parametrize(("engine", "cache"), [("engine-vllm-llama-8b.yaml", "vllm-llama-8b.yaml"),
-                                               ("engine-native-cpu.yaml", "native-cpu.yaml")])
+@pytest.mark.parametrize(("engine", "cache"), [("engines/vllm-llama-8b.yaml", "vllm-llama-8b.yaml"),
+                                               ("engines/native-cpu.yaml", "native-cpu.yaml")])
 def test_engine_examples_are_complete_and_injected_without_warnings(engine, cache):
     from weightcache.operator.admission import mutate
 
@@ -158,7 +158,7 @@ def _vllm_tags(text: str) -> set[str]:
 
 def test_one_supported_vllm_version_everywhere():
     places = [chart.ROOT / "Dockerfile.agent", chart.ROOT / "README.md",
-              *sorted((chart.ROOT / "docs").glob("*.md")), *sorted(EXAMPLES.glob("*.yaml"))]
+              *sorted((chart.ROOT / "docs").glob("*.md")), *sorted(EXAMPLES.rglob("*.yaml"))]
     for path in places:
         assert _vllm_tags(path.read_text()) <= set(versions.VLLM_SUPPORTED), path
 
@@ -176,7 +176,7 @@ def test_install_doc_has_the_supported_versions_table_and_prerequisites():
                    "pod-security.kubernetes.io/enforce: privileged", "## Limitations",
                    "helm package", "oci://", "make images"):
         assert needed in text, needed
-    for example in re.findall(r"charts/weightcache/examples/([\w.-]+\.yaml)", text):
+    for example in re.findall(r"charts/weightcache/examples/([\w./-]+\.yaml)", text):
         assert (EXAMPLES / example).is_file(), example
 
 
