@@ -84,18 +84,48 @@ def _init_non_persistent_buffers(model: nn.Module, device: torch.device) -> None
     """
     names = non_persistent_buffers(model)
     owners: dict[int, nn.Module] = {}
+    filled: dict[str, tuple[nn.Module, str]] = {}
     for name in names:
         prefix, _, attr = name.rpartition(".")
         owner = model.get_submodule(prefix) if prefix else model
         buf = owner._buffers[attr]
         if buf is not None and buf.device.type == "meta":
-            owner._buffers[attr] = torch.empty_like(buf, device=device)
+            # A sentinel, so a buffer the initialiser does not know is an error, not garbage.
+            owner._buffers[attr] = torch.full(buf.shape, _sentinel(buf.dtype), dtype=buf.dtype,
+                                              device=device)
             owners[id(owner)] = owner
+            filled[name] = (owner, attr)
     init = getattr(model, "_init_weights", None)
     if owners and init is None:
         raise TypeError(f"{type(model).__name__} has no _init_weights to fill {names}")
-    for owner in owners.values():
-        init(owner)
+    with torch.no_grad():
+        for owner in owners.values():
+            init(owner)
+    left = [n for n, (owner, attr) in filled.items()
+            if _untouched(owner._buffers[attr])]
+    if left:
+        raise TypeError(
+            f"{type(model).__name__}._init_weights does not initialise the non-persistent"
+            f" buffers {left}: build the model yourself and use weightcache.client.materialize"
+        )
+
+
+def _sentinel(dtype: torch.dtype) -> float | int | bool:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return False
+    return torch.iinfo(dtype).min
+
+
+def _untouched(buf: torch.Tensor) -> bool:
+    if buf.numel() == 0:
+        return False
+    if buf.dtype.is_floating_point or buf.dtype.is_complex:
+        return bool(torch.isnan(buf).any())
+    if buf.dtype == torch.bool:
+        return False
+    return bool((buf == torch.iinfo(buf.dtype).min).all())
 
 
 def _cast_to_parameters(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
