@@ -14,8 +14,7 @@ import logging
 import sys
 
 from weightcache.cliformat import HelpFormatter
-
-from .loader import DTYPE_CHOICES
+from weightcache.contracts.vocabulary import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
                    help="the daemon's shard rules (repeatable; default: the Llama preset)")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the daemon's --dtype")
     p.add_argument("--connect-timeout-s", type=float, default=None,
                    help="seconds to connect and get hello (default: "

@@ -28,21 +28,20 @@ import torch
 from torch import nn
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
-from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
-from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
 from .presence import loading_daemon
+from .rankplan import plan_rank_shard
 from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
-
-MODES = ("zero_copy", "copy")
 
 
 class WeightCacheError(RuntimeError):
@@ -232,7 +231,7 @@ def _raise_for(reply: dict[str, Any]) -> None:
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
 class RankPlan:
-    layout: Layout
+    layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
@@ -252,16 +251,8 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
-    layout = plan_layout(
-        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
-    )
-    fingerprint = fp.compute(
-        ckpt,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        dtype=dtype,
-        shard_rules=[r.text for r in rules],
-        aliases=layout.aliases,
+    layout, fingerprint = plan_rank_shard(
+        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype
     )
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
@@ -311,7 +302,7 @@ def _from_cache(
                 flat = flat.clone()
                 imported.close()
             state = tensors_from_table(flat, table, aliases)
-        except LayoutError as exc:
+        except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         if mode == "copy":
@@ -321,7 +312,7 @@ def _from_cache(
         return state, flat.numel()
 
 
-def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
     """The same shard and layout as the daemon's, read from the checkpoint files."""
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader
@@ -342,7 +333,7 @@ def attach(
     state_timeout_s: float | None = None,
     shard_rules: list[str] | None = None,
     dtype: str = "auto",
-    role: str = "main",
+    role: str = ROLE_TARGET,
     device_index: int | None = None,
 ) -> AttachResult:
     """Like `load_state_dict`, but also says where the tensors came from and how long it took."""
