@@ -1,14 +1,18 @@
 """The engine-facing API of the native weight cache: the one import an engine needs.
 
     from weightcache.client import load_state_dict, materialize
+    from weightcache.client import from_pretrained      # transformers (the `transformers` extra)
     from weightcache.client import follow_updates, ModelGate   # in-place updates
 
 This module is the stable face; the implementation lives in `weightcache.native.client` and
-may move. It imports torch only through that module, never the operator or the node agent.
+may move. It imports torch only through that module, never the operator or the node agent;
+transformers is imported only when `from_pretrained` is called.
 """
 
+from typing import Any
+
 from weightcache.native.client import *  # noqa: F403
-from weightcache.native.client import __all__ as _client_all
+from weightcache.native.client import __all__ as _native_all
 from weightcache.native.updates import (  # in-place updates (docs/updates.md)
     ModelGate,
     UpdateParticipant,
@@ -16,4 +20,16 @@ from weightcache.native.updates import (  # in-place updates (docs/updates.md)
     push_update,
 )
 
-__all__ = [*_client_all, "ModelGate", "UpdateParticipant", "follow_updates", "push_update"]
+
+def from_pretrained(model_dir: Any, **options: Any) -> Any:
+    """A transformers model with its weights from the cache: see
+    `weightcache.integrations.transformers.from_pretrained`."""
+    from weightcache.integrations.transformers import from_pretrained as build
+
+    return build(model_dir, **options)
+
+
+__all__ = [
+    *_native_all, "from_pretrained", "ModelGate", "UpdateParticipant", "follow_updates",
+    "push_update",
+]

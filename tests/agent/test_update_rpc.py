@@ -65,9 +65,10 @@ def test_update_rpc_switches_refuses_and_survives_restart(agents, checkpoint, re
 
     code, text = agent.http("/metrics")
     assert code == 200
-    assert 'weightcache_cache_generation{cache="llama",rank="1",role="target"} 2.0' in text
-    assert 'weightcache_updates_total{cache="llama",result="ok"} 2.0' in text  # one per rank
-    assert 'weightcache_update_pause_seconds_count{cache="llama"} 2.0' in text
+    where = 'cache="llama",namespace="default",node="gpu-a"'
+    assert f'weightcache_cache_generation{{{where},rank="1",role="target"}} 2.0' in text
+    assert f'weightcache_updates_total{{{where},result="ok"}} 2.0' in text  # one per rank
+    assert f'weightcache_update_pause_seconds_count{{{where}}} 2.0' in text
 
     # A daemon restart loads the revision the engines were switched to.
     os.kill(hello(st.ranks[1].socket_path)["pid"], signal.SIGKILL)
