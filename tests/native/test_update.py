@@ -38,12 +38,13 @@ def ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama_checkpoint(tmp_path_factory.mktemp("b") / "tiny", TINY, files=2, seed=1)
 
 
-def run_update(*args: str) -> tuple[int, dict]:
+def run_update(*args: str) -> tuple[int, dict, str]:
+    """`weightcache update` as a process: (exit code, its JSON line, stderr)."""
     out = subprocess.run([*weightcache_cmd(), "update", *args], capture_output=True, text=True,
                          check=False, timeout=120)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stderr
-    return out.returncode, json.loads(lines[-1])
+    return out.returncode, json.loads(lines[-1]), out.stderr
 
 
 def update_here(sock_dir: Path, model: Path, **options) -> tuple[int, dict]:
@@ -68,7 +69,7 @@ def test_update_in_place_keeps_addresses_and_switches_identity(daemon, ckpt, ckp
     gate, resumed = ModelGate(), []
     part = follow_updates(res, gate=gate, on_resume=lambda g, c: resumed.append((g, c)))
     try:
-        code, out = run_update("--model", str(ckpt_b), "--socket-dir", str(sock_dir))
+        code, out, _ = run_update("--model", str(ckpt_b), "--socket-dir", str(sock_dir))
         assert code == 0, out
         assert out["generation"] == 2 and out["engines_paused"] == 1 and out["ranks"] == 1
         assert out["bytes"] == res.nbytes and out["forced_engines"] == []
@@ -116,8 +117,11 @@ def test_layout_mismatch_is_refused_naming_tensors(daemon, ckpt, sock_dir, tmp_p
     shape = LlamaShape(hidden=TINY.hidden, layers=TINY.layers, intermediate=TINY.intermediate,
                        vocab=TINY.vocab * 2, heads=TINY.heads, kv_heads=TINY.kv_heads)
     other = write_llama_checkpoint(tmp_path / "bigger-vocab", shape, files=2)
-    code, out = run_update("--model", str(other), "--socket-dir", str(sock_dir))
+    code, out, err = run_update("--model", str(other), "--socket-dir", str(sock_dir))
     assert code == 1 and out["error"] == proto.E_LAYOUT_MISMATCH and not out["broken"]
+    # docs/cli.md: one line on stderr, no traceback.
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("weightcache update: ") and "a restart is needed" in err
     assert "model.embed_tokens.weight" in out["tensors"]
     assert "model.embed_tokens.weight" in out["message"]
     assert query(daemon, "hello")["update"]["generation"] == 1

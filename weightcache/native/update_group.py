@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from weightcache.cliformat import HelpFormatter
 from weightcache.contracts.vocabulary import ROLE_TARGET, ROLES, canonical_role
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -252,7 +253,8 @@ def _detail(replies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache update", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="weightcache update", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="the new revision's safetensors directory")
     p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="socket_dir", default=None)
     p.add_argument("--socket-path", action="append", default=None,
@@ -263,8 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="update even while zero_copy engines that cannot pause are attached "
                         "(they see the bytes change under running work)")
-    p.add_argument("--pause-deadline-s", type=float, default=30.0)
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--pause-deadline-s", type=float, default=30.0,
+                   help="how long engines may take to pause before the update is called off")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="per-daemon request deadline (staging a large shard takes a while)")
     return p
 
 
@@ -280,17 +284,21 @@ def main(argv: list[str]) -> int:
         else:
             sockets = discover(resolve_socket_dir(args.socket_dir), args.role)
     except (CheckpointError, SecurityError, OSError) as exc:
-        print(json.dumps({"error": "bad_input", "message": str(exc)}))
-        return EXIT_BAD_INPUT
+        return _fail("bad_input", str(exc), EXIT_BAD_INPUT)
     try:
         result = update_group(sockets, model=str(Path(args.model).resolve()), force=args.force,
                               pause_deadline_s=args.pause_deadline_s, timeout_s=args.timeout_s)
     except UpdateFailed as exc:
-        print(json.dumps({"error": exc.code, "message": str(exc), "broken": exc.broken,
-                          **exc.detail}))
-        return EXIT_FAILED
+        return _fail(exc.code, str(exc), EXIT_FAILED, broken=exc.broken, **exc.detail)
     print(json.dumps(result), flush=True)
     return EXIT_OK
+
+
+def _fail(error: str, message: str, code: int, **extra: Any) -> int:
+    """One JSON line on stdout (for scripts) and the same message as one line on stderr."""
+    print(json.dumps({"error": error, "message": message, "broken": False, **extra}), flush=True)
+    print(f"weightcache update: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
