@@ -14,13 +14,12 @@ benchmark all run the exact same decisions. The decisions are:
   becomes a warning instead of a disk fallback nobody notices.
 
 Every step checks before it adds, so admitting an injected pod again changes nothing.
+The command line is read by `cmdline`, the cache by `cacheview`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,14 +28,20 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
-from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
+from weightcache.operator import imageref
+from weightcache.operator.admission.cacheview import CacheView
+from weightcache.operator.admission.cmdline import (
+    SERVE_RE,
+    Argv,
+    flag_values,
+    model_arg,
+    parse_argv,
+)
 
 SOCKET_VOLUME = "weightcache-sockets"
 READY_VALUE = "ready"
 MODES = ("zero_copy", "copy")
 LOAD_FORMAT = "ipc_cache"
-SHELLS = {"sh", "bash", "ash", "dash", "zsh", "ksh"}
-VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
 
 
 @dataclass(frozen=True)
@@ -92,189 +97,6 @@ class Result:
     pod: dict[str, Any] | None = None  # the injected pod (the request's object when unchanged)
 
 
-# ---------------------------------------------------------------------------- cache settings
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """The parts of a WeightCache that injection reads, with the schema's defaults applied."""
-
-    name: str
-    namespace: str
-    runtime: str
-    image: str | None
-    socket_dir: str
-    mode: str
-    fallback: bool
-    connect_timeout: float
-    state_timeout: float
-    uid: int
-    gid: int
-    model_path: str | None
-    tensor: int
-    dtype: str
-    phase: str | None
-
-    @classmethod
-    def from_object(cls, obj: dict[str, Any]) -> CacheView:
-        meta = obj.get("metadata") or {}
-        spec = obj.get("spec") or {}
-        name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-        engine = {**DEFAULT_ENGINE, **(spec.get("engine") or {})}
-        run_as = {**DEFAULT_RUN_AS, **(spec.get("runAs") or {})}
-        return cls(
-            name=name,
-            namespace=namespace,
-            runtime=spec.get("runtime") or "native",
-            image=spec.get("image") or None,
-            socket_dir=spec.get("socketDir") or C.default_socket_dir(namespace, name),
-            mode=str(engine["mode"]),
-            fallback=bool(engine["fallback"]),
-            connect_timeout=float(engine["connectTimeoutSeconds"]),
-            state_timeout=float(engine["stateTimeoutSeconds"]),
-            uid=int(run_as["uid"]),
-            gid=int(run_as["gid"]),
-            model_path=(spec.get("model") or {}).get("path"),
-            tensor=int((spec.get("parallelism") or {}).get("tensor") or 1),
-            dtype=str((spec.get("engineArgs") or {}).get("dtype") or "auto"),
-            phase=(obj.get("status") or {}).get("phase"),
-        )
-
-
-# ---------------------------------------------------------------------------- command lines
-
-
-@dataclass
-class Argv:
-    """Where a container's command line lives and how to append to it.
-
-    kind: `list` (vLLM in command/args), `shell` (vLLM inside a `sh -c` string),
-    `entrypoint` (no command: the image's entrypoint gets args), `none` (some other program).
-    """
-
-    kind: str
-    tokens: list[str]
-    shell_field: str | None = None  # "command" or "args" holding the script
-    shell_index: int | None = None
-
-
-# Where flags go in a shell script: right after `vllm serve [MODEL]` or the server module, so
-# they stay inside that command whatever follows it in the script.
-_SERVE_RE = re.compile(
-    r"(?:\bvllm\s+serve\b(?:[ \t]+(?![-'\"$])[^\s;&|()<>]+)?"
-    r"|-m\s+(?:" + "|".join(re.escape(m) for m in VLLM_SERVER_MODULES) + r")\b)"
-)
-
-
-def _runs_vllm(tokens: list[str]) -> bool:
-    for i, tok in enumerate(tokens):
-        base = tok.rsplit("/", 1)[-1]
-        if base == "vllm" and i + 1 < len(tokens) and tokens[i + 1] == "serve":
-            return True
-        if tok == "-m" and i + 1 < len(tokens) and tokens[i + 1] in VLLM_SERVER_MODULES:
-            return True
-        if tok in VLLM_SERVER_MODULES:
-            return True
-    return False
-
-
-def _shell_script(container: dict[str, Any]) -> tuple[str, int, str] | None:
-    """Find `sh -c SCRIPT` in command+args; return (field, index, script)."""
-    command = list(container.get("command") or [])
-    args = list(container.get("args") or [])
-    argv = command + args
-    if not argv or argv[0].rsplit("/", 1)[-1] not in SHELLS:
-        return None
-    for i, tok in enumerate(argv[1:], start=1):
-        if tok.startswith("-") and not tok.startswith("--") and "c" in tok[1:]:
-            if i + 1 >= len(argv):
-                return None
-            j = i + 1
-            return (
-                ("command", j, argv[j]) if j < len(command) else ("args", j - len(command), argv[j])
-            )
-        if not tok.startswith("-"):
-            return None
-    return None
-
-
-CACHED_SCRIPT_CHARS = 8192  # longer scripts are split every time (bounds the cache's memory)
-
-
-def _split_script(script: str) -> tuple[str, ...]:
-    """Shell words of a script, with `;`, `&&`, `|` ... as words of their own.
-
-    Cached: the pods of one Deployment or LeaderWorkerSet carry the same script, and shlex
-    reads character by character (a quarter of a millisecond for a typical script).
-    """
-    if len(script) <= CACHED_SCRIPT_CHARS:
-        return _split_cached(script)
-    return _split_uncached(script)
-
-
-@functools.lru_cache(maxsize=512)
-def _split_cached(script: str) -> tuple[str, ...]:
-    return _split_uncached(script)
-
-
-def _split_uncached(script: str) -> tuple[str, ...]:
-    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    lexer.commenters = "#"
-    try:
-        return tuple(lexer)
-    except ValueError:  # unbalanced quotes: fall back to whitespace
-        return tuple(script.split())
-
-
-def parse_argv(container: dict[str, Any]) -> Argv:
-    shell = _shell_script(container)
-    if shell is not None:
-        fld, idx, script = shell
-        tokens = list(_split_script(script))
-        if _SERVE_RE.search(script):
-            return Argv("shell", tokens, fld, idx)
-        return Argv("none", tokens, fld, idx)
-    command = list(container.get("command") or [])
-    args = list(container.get("args") or [])
-    tokens = command + args
-    if _runs_vllm(tokens):
-        return Argv("list", tokens)
-    if not command and (not args or args[0].startswith("-")):
-        return Argv("entrypoint", tokens)
-    return Argv("none", tokens)
-
-
-def flag_values(tokens: list[str], *names: str) -> list[str]:
-    """Values of a flag given as `--flag value` or `--flag=value` (dashes or underscores)."""
-    wanted = {n.replace("_", "-") for n in names}
-    found: list[str] = []
-    for i, tok in enumerate(tokens):
-        if not tok.startswith("-"):
-            continue
-        key, eq, value = tok.partition("=")
-        if key.replace("_", "-") not in wanted:
-            continue
-        if eq:
-            found.append(value)
-        elif i + 1 < len(tokens):
-            found.append(tokens[i + 1])
-    return found
-
-
-def model_arg(tokens: list[str]) -> str | None:
-    """The engine's model: `--model X` or the positional after `vllm serve`."""
-    values = flag_values(tokens, "--model")
-    if values:
-        return values[-1]
-    for i, tok in enumerate(tokens):
-        if tok.rsplit("/", 1)[-1] == "vllm" and i + 2 < len(tokens) and tokens[i + 1] == "serve":
-            candidate = tokens[i + 2]
-            if not candidate.startswith("-"):
-                return candidate
-    return None
-
-
 # ---------------------------------------------------------------------------- small helpers
 
 
@@ -310,31 +132,6 @@ def native_env(cache: CacheView, mode: str, fallback: bool) -> list[dict[str, st
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def _image_ref(image: str) -> tuple[str, str | None, str | None]:
-    """(repository, tag, digest) with Docker Hub's implicit prefixes made explicit."""
-    ref, _, digest = image.partition("@")
-    slash = ref.rfind("/")
-    colon = ref.rfind(":")
-    tag = None
-    if colon > slash:
-        ref, tag = ref[:colon], ref[colon + 1 :]
-    first = ref.split("/", 1)[0]
-    if "/" not in ref:
-        ref = f"docker.io/library/{ref}"
-    elif not ("." in first or ":" in first or first == "localhost"):
-        ref = f"docker.io/{ref}"
-    if tag is None and not digest:
-        tag = "latest"
-    return ref, tag, digest or None
-
-
-def images_differ(pod_image: str, cache_image: str) -> bool:
-    a, b = _image_ref(pod_image), _image_ref(cache_image)
-    if a[2] and b[2]:
-        return a[2] != b[2]
-    return (a[0], a[1]) != (b[0], b[1])
 
 
 # ---------------------------------------------------------------------------- engine container
@@ -406,7 +203,7 @@ def _inject_flags(
     if argv.kind == "shell":
         holder = container[argv.shell_field]  # type: ignore[index]
         script = holder[argv.shell_index]
-        match = _SERVE_RE.search(script)
+        match = SERVE_RE.search(script)
         assert match is not None
         insert = " " + " ".join(shlex.quote(t) for t in new)
         holder[argv.shell_index] = script[: match.end()] + insert + script[match.end() :]
@@ -576,7 +373,7 @@ def _check_mismatches(container: dict[str, Any], argv: Argv, cache: CacheView, r
             f"container {name!r} uses dtype {dtype}, cache {cache.name!r} holds {cache.dtype}{tail}"
         )
     image = container.get("image")
-    if cache.image and image and images_differ(image, cache.image):
+    if cache.image and image and imageref.differ(image, cache.image):
         res.mismatches.append(
             f"container {name!r} runs image {image!r}, cache {cache.name!r} was loaded by "
             f"{cache.image!r}; the fingerprint includes the vLLM version{tail}"
