@@ -28,6 +28,10 @@ class CacheView:
     tensor: int
     dtype: str
     phase: str | None
+    quantization: str | None = None
+    revision: str | None = None
+    expert: bool = False
+    extra_args: tuple[str, ...] = ()
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> CacheView:
@@ -36,6 +40,7 @@ class CacheView:
         name, namespace = meta.get("name", ""), meta.get("namespace", "default")
         engine = {**DEFAULT_ENGINE, **(spec.get("engine") or {})}
         run_as = {**DEFAULT_RUN_AS, **(spec.get("runAs") or {})}
+        engine_args = spec.get("engineArgs") or {}
         return cls(
             name=name,
             namespace=namespace,
@@ -50,6 +55,10 @@ class CacheView:
             gid=int(run_as["gid"]),
             model_path=(spec.get("model") or {}).get("path"),
             tensor=int((spec.get("parallelism") or {}).get("tensor") or 1),
-            dtype=str((spec.get("engineArgs") or {}).get("dtype") or "auto"),
+            dtype=str(engine_args.get("dtype") or "auto"),
             phase=(obj.get("status") or {}).get("phase"),
+            quantization=engine_args.get("quantization") or None,
+            revision=engine_args.get("revision") or None,
+            expert=bool((spec.get("parallelism") or {}).get("expert")),
+            extra_args=tuple(str(a) for a in engine_args.get("extraArgs") or ()),
         )

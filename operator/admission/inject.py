@@ -28,13 +28,12 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
-from weightcache.operator import imageref
+from weightcache.operator.admission import fingerprint, loaderconfig
 from weightcache.operator.admission.cacheview import CacheView
 from weightcache.operator.admission.cmdline import (
     SERVE_RE,
     Argv,
     flag_values,
-    model_arg,
     parse_argv,
 )
 
@@ -93,6 +92,7 @@ class Result:
     ops: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    differences: list[fingerprint.Difference] = field(default_factory=list)
     container: str | None = None
     pod: dict[str, Any] | None = None  # the injected pod (the request's object when unchanged)
 
@@ -221,6 +221,13 @@ def _check_user_config(raw: str, cache: CacheView, name: str | None, res: Result
         ) from None
     if not isinstance(given, dict):
         raise Denied(f"container {name!r}: --model-loader-extra-config must be a JSON object")
+    refused = loaderconfig.problems(given)
+    if refused:
+        raise Denied(
+            f"container {name!r} sets --model-loader-extra-config that vLLM's ipc_cache loader "
+            f"refuses at start (the engine would not start): {'; '.join(refused)}; fix it or "
+            f"drop the flag and let the webhook set it"
+        )
     socket_dir = given.get("socket_dir")
     if socket_dir is None and "socket_path" not in given:
         res.mismatches.append(
@@ -298,6 +305,17 @@ def _inject_identity(
             f"the socket check is on the uid, so this works, but files the daemon shares are "
             f"group-owned by {cache.gid}"
         )
+    non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+    if non_root is True and cache.uid == 0:
+        # The kubelet refuses to start it: "container's runAsUser breaks non-root policy"
+        # (pkg/kubelet/kuberuntime/security_context_others.go, verifyRunAsNonRoot).
+        where = "its securityContext" if "runAsNonRoot" in sc else "the pod's securityContext"
+        raise Denied(
+            f"container {name!r} sets runAsNonRoot: true ({where}), but cache {cache.name!r} "
+            f"runs as uid 0 and its daemon accepts only that uid, so the engine must run as "
+            f"root and the kubelet would refuse to start it; set the cache's runAs.uid to a "
+            f"non-root uid, or drop runAsNonRoot"
+        )
     changed = False
     if uid is None:
         sc["runAsUser"] = cache.uid
@@ -350,34 +368,10 @@ def _inject_affinity(spec: dict[str, Any], cache: CacheView) -> None:
 def _check_mismatches(container: dict[str, Any], argv: Argv, cache: CacheView, res: Result) -> None:
     if cache.runtime != "vllm":
         return
-    name = container.get("name")
-    tail = "; the engine's fingerprint will not match and it falls back to loading from disk"
-    model = model_arg(argv.tokens)
-    if model is not None and cache.model_path and model.rstrip("/") != cache.model_path.rstrip("/"):
-        res.mismatches.append(
-            f"container {name!r} serves model {model!r}, cache {cache.name!r} holds "
-            f"{cache.model_path!r}; unless both hold the same checkpoint the fingerprint will "
-            f"not match and the engine falls back to loading from disk"
-        )
-    tp_values = flag_values(argv.tokens, "--tensor-parallel-size", "-tp")
-    tp = tp_values[-1] if tp_values else "1"
-    if tp != str(cache.tensor) and argv.kind != "none":
-        res.mismatches.append(
-            f"container {name!r} runs tensor-parallel size {tp}, cache {cache.name!r} holds "
-            f"shards for {cache.tensor}{tail}"
-        )
-    dtypes = flag_values(argv.tokens, "--dtype")
-    dtype = dtypes[-1] if dtypes else "auto"
-    if dtype != cache.dtype and argv.kind != "none":
-        res.mismatches.append(
-            f"container {name!r} uses dtype {dtype}, cache {cache.name!r} holds {cache.dtype}{tail}"
-        )
-    image = container.get("image")
-    if cache.image and image and imageref.differ(image, cache.image):
-        res.mismatches.append(
-            f"container {name!r} runs image {image!r}, cache {cache.name!r} was loaded by "
-            f"{cache.image!r}; the fingerprint includes the vLLM version{tail}"
-        )
+    diffs, notes = fingerprint.compare(container, argv, cache)
+    res.differences += diffs
+    res.mismatches += [str(d) for d in diffs]
+    res.warnings += notes
 
 
 def _copy(value: Any) -> Any:
@@ -474,6 +468,8 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
     _inject_identity(spec, container, cache, res)
     _inject_isolation(spec, container, cache, res)
     _inject_affinity(spec, cache)
+    # Pod-level checks that read the injected pod (Pod Security warnings, GPU alignment)
+    # are one call each here: after every injector, before the patch is computed.
     new["metadata"]["labels"][C.LABEL_INJECTED] = cache.name
     if cache.phase != "Ready":
         label = C.node_ready_label(cache.namespace, cache.name)

@@ -366,11 +366,17 @@ def test_mismatches_warn_and_post_an_event(webhook: LocalWebhook, make_cache: An
     assert out["allowed"] is True and "patch" in out  # still injected: fallback stays possible
     text = "\n".join(out["warnings"])
     assert (
-        "serves model '/models/qwen-7b', cache '" + name + "' holds '/models/llama-3.1-8b'" in text
+        "fingerprint field checkpoint: container 'vllm' has '/models/qwen-7b', the cache holds "
+        "'/models/llama-3.1-8b'" in text
     )
-    assert "runs tensor-parallel size 1, cache '" + name + "' holds shards for 2" in text
-    assert "uses dtype auto, cache '" + name + "' holds bfloat16" in text
-    assert "runs image 'vllm/vllm-openai:v0.30.1'" in text and "'vllm/vllm-openai:v0.31.0'" in text
+    assert "fingerprint field tp_size: container 'vllm' has 1, the cache holds 2" in text
+    # no --dtype is `auto`: vLLM reads the checkpoint's dtype, which the webhook cannot
+    assert "could not check the dtype: container 'vllm' uses auto, cache '" + name in text
+    assert "fingerprint field dtype" not in text
+    assert (
+        "fingerprint field vllm_version: container 'vllm' has image 'vllm/vllm-openai:v0.30.1', "
+        "the cache holds image 'vllm/vllm-openai:v0.31.0'" in text
+    )
     deadline = time.monotonic() + 5
     events: list[dict] = []
     while time.monotonic() < deadline and not events:
@@ -381,7 +387,8 @@ def test_mismatches_warn_and_post_an_event(webhook: LocalWebhook, make_cache: An
     assert (ev["type"], ev["reason"]) == ("Warning", "EngineMismatch")
     assert ev["involvedObject"]["kind"] == "WeightCache"
     assert ev["message"].startswith("pod serving/api-server-*: ")
-    assert "tensor-parallel size 1" in ev["message"]
+    assert "fingerprint field tp_size: container 'vllm' has 1, the cache holds 2" in ev["message"]
+    assert "could not check" not in ev["message"]  # events carry differences only
 
 
 def test_dry_run_posts_no_event(webhook: LocalWebhook, make_cache: Any) -> None:
