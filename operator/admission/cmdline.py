@@ -7,21 +7,19 @@ the injectors in `inject` write the flags back.
 
 from __future__ import annotations
 
-import functools
-import re
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
-SHELLS = {"sh", "bash", "ash", "dash", "zsh", "ksh"}
-VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
+from weightcache.operator.admission import shellscript
+from weightcache.operator.admission.shellscript import SHELLS, VLLM_SERVER_MODULES
 
 
 @dataclass
 class Argv:
     """Where a container's command line lives and how to append to it.
 
-    kind: `list` (vLLM in command/args), `shell` (vLLM inside a `sh -c` string),
+    kind: `list` (vLLM in command/args), `shell` (vLLM inside a `sh -c` string; `tokens`
+    are its first vLLM command's words, `commands` all of them),
     `entrypoint` (no command: the image's entrypoint gets args), `none` (some other program).
     """
 
@@ -29,14 +27,7 @@ class Argv:
     tokens: list[str]
     shell_field: str | None = None  # "command" or "args" holding the script
     shell_index: int | None = None
-
-
-# Where flags go in a shell script: right after `vllm serve [MODEL]` or the server module, so
-# they stay inside that command whatever follows it in the script.
-SERVE_RE = re.compile(
-    r"(?:\bvllm\s+serve\b(?:[ \t]+(?![-'\"$])[^\s;&|()<>]+)?"
-    r"|-m\s+(?:" + "|".join(re.escape(m) for m in VLLM_SERVER_MODULES) + r")\b)"
-)
+    commands: tuple[shellscript.EngineCommand, ...] = ()  # kind `shell`: each vLLM command
 
 
 def _runs_vllm(tokens: list[str]) -> bool:
@@ -71,43 +62,14 @@ def _shell_script(container: dict[str, Any]) -> tuple[str, int, str] | None:
     return None
 
 
-CACHED_SCRIPT_CHARS = 8192  # longer scripts are split every time (bounds the cache's memory)
-
-
-def _split_script(script: str) -> tuple[str, ...]:
-    """Shell words of a script, with `;`, `&&`, `|` ... as words of their own.
-
-    Cached: the pods of one Deployment or LeaderWorkerSet carry the same script, and shlex
-    reads character by character (a quarter of a millisecond for a typical script).
-    """
-    if len(script) <= CACHED_SCRIPT_CHARS:
-        return _split_cached(script)
-    return _split_uncached(script)
-
-
-@functools.lru_cache(maxsize=512)
-def _split_cached(script: str) -> tuple[str, ...]:
-    return _split_uncached(script)
-
-
-def _split_uncached(script: str) -> tuple[str, ...]:
-    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    lexer.commenters = "#"
-    try:
-        return tuple(lexer)
-    except ValueError:  # unbalanced quotes: fall back to whitespace
-        return tuple(script.split())
-
-
 def parse_argv(container: dict[str, Any]) -> Argv:
     shell = _shell_script(container)
     if shell is not None:
         fld, idx, script = shell
-        tokens = list(_split_script(script))
-        if SERVE_RE.search(script):
-            return Argv("shell", tokens, fld, idx)
-        return Argv("none", tokens, fld, idx)
+        commands = shellscript.engine_commands(script)  # raises shellscript.Unclear
+        if commands:
+            return Argv("shell", list(commands[0].words), fld, idx, commands)
+        return Argv("none", [], fld, idx)
     command = list(container.get("command") or [])
     args = list(container.get("args") or [])
     tokens = command + args

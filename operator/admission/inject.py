@@ -28,10 +28,9 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
-from weightcache.operator.admission import fingerprint, loaderconfig
+from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
 from weightcache.operator.admission.cacheview import CacheView
 from weightcache.operator.admission.cmdline import (
-    SERVE_RE,
     Argv,
     flag_values,
     parse_argv,
@@ -137,6 +136,17 @@ def _num(value: float) -> str:
 # ---------------------------------------------------------------------------- engine container
 
 
+def _parse_argv(container: dict[str, Any]) -> Argv:
+    try:
+        return parse_argv(container)
+    except shellscript.Unclear as exc:
+        raise Denied(
+            f"container {container.get('name')!r}: {exc}, so the webhook cannot be sure where "
+            f"vLLM's loader flags belong; put the vLLM command in command/args, or run it "
+            f"directly in the script (sh -c 'exec vllm serve ...')"
+        ) from None
+
+
 def find_engine(pod: dict[str, Any], runtime: str) -> int:
     containers = (pod.get("spec") or {}).get("containers") or []
     if not containers:
@@ -153,7 +163,7 @@ def find_engine(pod: dict[str, Any], runtime: str) -> int:
         )
     if runtime == "vllm":
         for i, c in enumerate(containers):
-            if parse_argv(c).kind in {"list", "shell"}:
+            if _parse_argv(c).kind in {"list", "shell"}:
                 return i
     return 0
 
@@ -198,17 +208,44 @@ def _inject_flags(
         _check_user_config(configs[-1], cache, name, res)
     else:
         new += ["--model-loader-extra-config", wanted_config]
-    if not new:
-        return
     if argv.kind == "shell":
-        holder = container[argv.shell_field]  # type: ignore[index]
-        script = holder[argv.shell_index]
-        match = SERVE_RE.search(script)
-        assert match is not None
-        insert = " " + " ".join(shlex.quote(t) for t in new)
-        holder[argv.shell_index] = script[: match.end()] + insert + script[match.end() :]
-    else:
+        _insert_into_script(container, argv, cache, mode, fallback, res)
+    elif new:
         container["args"] = [*list(container.get("args") or []), *new]
+
+
+def _insert_into_script(
+    container: dict[str, Any], argv: Argv, cache: CacheView, mode: str, fallback: bool, res: Result
+) -> None:
+    """Append the missing flags to every vLLM command of the script, after its last word.
+
+    From the last command to the first, so earlier offsets stay valid. The first command
+    was checked by `_inject_flags`; the others are checked the same way here.
+    """
+    holder = container[argv.shell_field]  # type: ignore[index]
+    script = holder[argv.shell_index]
+    for cmd in reversed(argv.commands):
+        tokens = list(cmd.words)
+        formats = flag_values(tokens, "--load-format")
+        if formats and formats[-1] != LOAD_FORMAT:
+            raise Denied(
+                f"container {container.get('name')!r} runs a vLLM command with --load-format "
+                f"{formats[-1]}, which conflicts with the weight cache (it needs --load-format "
+                f"{LOAD_FORMAT}); remove that flag, or remove the {C.ANN_CACHE} annotation"
+            )
+        new: list[str] = []
+        if not formats:
+            new += ["--load-format", LOAD_FORMAT]
+        configs = flag_values(tokens, "--model-loader-extra-config")
+        if configs:
+            if cmd is not argv.commands[0]:
+                _check_user_config(configs[-1], cache, container.get("name"), res)
+        else:
+            new += ["--model-loader-extra-config", extra_config(cache, mode, fallback)]
+        if new:
+            insert = " " + " ".join(shlex.quote(t) for t in new)
+            script = script[: cmd.insert_at] + insert + script[cmd.insert_at :]
+    holder[argv.shell_index] = script
 
 
 def _check_user_config(raw: str, cache: CacheView, name: str | None, res: Result) -> None:
@@ -451,7 +488,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
     spec = new["spec"]
     container = spec["containers"][index]
     res.container = container.get("name")
-    argv = parse_argv(container)
+    argv = _parse_argv(container)
 
     if cache.runtime == "native":
         _inject_env(container, cache, mode, fallback)

@@ -106,8 +106,11 @@ def test_shell_c_script_is_edited_in_place(webhook: LocalWebhook, make_cache: An
     c = patched["spec"]["containers"][0]
     assert c["command"] == ["/bin/bash", "-c"]
     script = c["args"][0]
-    assert script.startswith("set -e; nvidia-smi -L; exec vllm serve /models/llama-3.1-8b ")
-    assert script.endswith("--port 8000 --max-model-len 8192 && echo done")
+    assert script.startswith(
+        "set -e; nvidia-smi -L; exec vllm serve /models/llama-3.1-8b --port 8000 "
+        "--max-model-len 8192 --load-format ipc_cache "
+    )
+    assert script.endswith("' && echo done")
     # The flags sit inside the vLLM command (before `&&`) and survive shell word splitting.
     tokens = shlex.split(script.split("&&")[0])
     assert tokens[tokens.index("--load-format") + 1] == "ipc_cache"
@@ -143,8 +146,9 @@ def test_lws_leader_and_worker(webhook: LocalWebhook, make_cache: Any) -> None:
     script = patched["spec"]["containers"][0]["command"][2]
     head, _, tail = script.partition("python3 -m vllm.entrypoints.openai.api_server ")
     assert "multi-node-serving.sh leader" in head
-    assert tail.startswith("--load-format ipc_cache --model-loader-extra-config ")
-    assert tail.endswith("--port 8080 --model /models/llama-3.1-8b --tensor-parallel-size 16")
+    # The flags follow the command's last word, so they stay inside that command.
+    assert tail.startswith("--port 8080 --model /models/llama-3.1-8b --tensor-parallel-size 16 ")
+    assert "--tensor-parallel-size 16 --load-format ipc_cache --model-loader-extra-config " in tail
     # The leader mounts a private /dev/shm, which hides the host's: a warning, not a denial.
     assert any("/dev/shm" in w for w in out["warnings"])
 
