@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
+import re
 from dataclasses import dataclass
 
 import bashlex
@@ -29,6 +30,10 @@ SHELLS = frozenset({"sh", "bash", "ash", "dash", "zsh", "ksh"})
 VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
 PREFIX_COMMANDS = frozenset({"exec", "nohup", "env", "command", "time"})
 CACHED_SCRIPT_CHARS = 8192  # longer scripts are parsed every time (bounds the cache)
+# bashlex 0.18 misreads quoted heredoc delimiters (`<<'EOF'`). Quoting only stops expansion
+# in the body, which does not change where commands are, so the parser sees `<< EOF `:
+# the same length, so every offset still points into the original script.
+_QUOTED_HEREDOC = re.compile(r"(<<-?)(['\"])(\w+)\2")
 
 
 class Unclear(Exception):
@@ -108,7 +113,7 @@ def _parse(script: str) -> tuple[EngineCommand, ...]:
     if not script.strip():
         return ()
     try:
-        trees = bashlex.parse(script)
+        trees = bashlex.parse(_QUOTED_HEREDOC.sub(r"\1 \3 ", script))
     except (bashlex.errors.ParsingError, NotImplementedError, IndexError, AttributeError) as exc:
         if "vllm" in script:
             raise Unclear(f"the shell script cannot be parsed ({_first_line(exc)})") from None
