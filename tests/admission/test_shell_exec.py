@@ -117,7 +117,9 @@ def shell_pod(script: str) -> dict:
     }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(script=scripts())
 def test_vllm_receives_its_argv_plus_the_loader_flags(
     script: str, stub_path: Path, tmp_path: Path
