@@ -79,3 +79,47 @@ def vllm(request: pytest.FixtureRequest) -> Iterator[Vllm]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# config.json only: vLLM's config and rank planning read nothing else (the fingerprint then
+# names the checkpoint by its path). 32 heads and 32 experts divide every layout's TP and EP.
+SHAPE = {
+    "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "num_hidden_layers": 2, "vocab_size": 256,
+    "max_position_embeddings": 16384, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+DENSE_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE}
+MOE_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **SHAPE,
+    "num_local_experts": 32, "num_experts_per_tok": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, config in (("dense", DENSE_CONFIG), ("moe", MOE_CONFIG)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        out[name] = str(root / name)
+    return out
+
+
+def runtime_for(plan: dict, node_rank: int = 0) -> Any:
+    """The agent's real vllm runtime for one node of a plan (GPUs named by gpu_uuids)."""
+    from tests.agent.plans import gpu_uuids
+    from weightcache.agent.config import AgentEnv, build_config, parse_plan
+    from weightcache.agent.runtimes import get_runtime
+
+    parsed = parse_plan(json.dumps(plan))
+    node = next(n["node"] for n in plan["nodes"] if n["rank"] == node_rank)
+    env = AgentEnv(cache=plan["cache"], namespace=plan["namespace"], node=node,
+                   pod_ip="10.1.2.3", pod_name=f"{plan['cache']}-agent-x",
+                   plan_path="/etc/weightcache/plan.json")
+    n = plan["layout"]["worldSize"] // plan["nodeCount"]
+    environ = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpu_uuids(n, node_rank)), "PATH": ""}
+    rt = get_runtime(build_config(env, parsed, environ))
+    rt.binary = "vllm"
+    return rt

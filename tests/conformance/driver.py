@@ -94,7 +94,7 @@ def preload(argv: list[str]) -> dict[str, Any]:
     draft = daemon.get_draft_daemon_config(cfg)
     groups = 2 if draft is not None else 1
     _validate_seed_args(args, world_size=dp * pp * tp, num_groups=groups)
-    local, dp_rank0, _pp, tp_rank0 = placements[0]
+    _local, dp_rank0, _pp, tp_rank0 = placements[0]
     key_dp = daemon.get_engine_dp_placement(cfg, dp_rank0)
     return {
         "placements": [list(p) for p in placements],
