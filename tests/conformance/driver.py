@@ -171,7 +171,21 @@ def socket_path(uuid: str, socket_dir: str, is_draft: bool, fips: bool) -> dict[
         return {"path": protocol.get_socket_path(uuid, socket_dir, is_draft=is_draft)}
 
 
-OPS = {"preload": preload, "serve": serve, "loader": loader, "socket_path": socket_path}
+def draft_is_mtp(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's method inference for a draft checkpoint without `method` (config/speculative.py):
+    `hf_config_override` rewrites the config, then `model_type in MTPModelTypes` means mtp."""
+    from typing import get_args
+
+    from transformers import PretrainedConfig
+    from vllm.config.speculative import MTPModelTypes, SpeculativeConfig
+
+    hf = PretrainedConfig(**config)
+    hf.model_type = config["model_type"]
+    out = SpeculativeConfig.hf_config_override(hf)
+    return {"mtp": out.model_type in get_args(MTPModelTypes), "model_type": out.model_type}
+
+
+OPS = {"draft_is_mtp": draft_is_mtp, "preload": preload, "serve": serve, "loader": loader, "socket_path": socket_path}
 
 
 def main() -> None:

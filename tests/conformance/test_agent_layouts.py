@@ -9,6 +9,7 @@ must be exactly the ones vLLM's daemons serve.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,29 @@ def test_eagle3_draft_group(vllm: Vllm, models: dict[str, str], tmp_path: Path) 
     assert got["draft_master_port"] == plan["spec"]["ports"]["draftRendezvous"]
     drafts = [r for r in rt.ranks() if r.role == "draft"]
     assert [r.global_rank for r in drafts] == got["global_ranks"]
+
+
+def _draft_cases() -> list[dict]:
+    from weightcache.agent.runtimes import vllm as rt
+
+    base = {"num_nextn_predict_layers": 1, "mtp_num_hidden_layers": 1, "hidden_size": 64,
+            "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hc_count": 1}
+    cases = [{**base, "model_type": t, "architectures": ["SomeForCausalLM"]}
+             for t in sorted(rt.MTP_BASE_MODEL_TYPES)]
+    cases += [{**base, "model_type": "x", "architectures": [a]}
+              for a in sorted(rt.MTP_BASE_ARCHITECTURES)]
+    cases += [{**base, "model_type": t, "architectures": [a]} for t, a in (
+        ("llama", "LlamaForCausalLM"), ("mixtral", "MixtralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"), ("deepseek_mtp", "DeepSeekMTPModel"))]
+    return cases
+
+
+@pytest.mark.parametrize("config", _draft_cases(), ids=lambda c: f"{c['model_type']}-"
+                         f"{c['architectures'][0]}")
+def test_mtp_draft_inference_equals_vllms(vllm: Vllm, tmp_path: Path, config: dict) -> None:
+    """No method: vLLM infers mtp from the draft's config.json, and so must the agent."""
+    from weightcache.agent.runtimes.vllm import draft_is_cached
+
+    theirs = vllm.call("draft_is_mtp", config=config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert draft_is_cached({"model": str(tmp_path)}) is theirs["mtp"], theirs
