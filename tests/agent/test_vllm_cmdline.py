@@ -143,7 +143,7 @@ def test_draft_detection_reads_the_draft_checkpoint(tmp_path, config, method, ca
 
 
 def test_mtp_without_method_and_unreadable_draft_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="set speculativeConfig.method"):
+    with pytest.raises(ConfigError, match=r"set speculativeConfig\.method"):
         draft_is_cached({"model": str(tmp_path / "missing")})
 
 

@@ -185,7 +185,10 @@ def draft_is_mtp(config: dict[str, Any]) -> dict[str, Any]:
     return {"mtp": out.model_type in get_args(MTPModelTypes), "model_type": out.model_type}
 
 
-OPS = {"draft_is_mtp": draft_is_mtp, "preload": preload, "serve": serve, "loader": loader, "socket_path": socket_path}
+OPS = {
+    "draft_is_mtp": draft_is_mtp, "preload": preload, "serve": serve, "loader": loader,
+    "socket_path": socket_path,
+}
 
 
 def main() -> None:
