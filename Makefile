@@ -57,9 +57,11 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -P -m weightcache.testing.layering
 
 test: $(STAMP) tools prometheus vllm-conformance
 	$(BIN)/ruff check .
+	$(BIN)/python -P -m weightcache.testing.layering  # lint-imports over the installed layout
 	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -rs
 
 test-gpu: $(STAMP)

@@ -34,16 +34,18 @@ from typing import Any
 
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.runtimes.base import RankSpec, Runtime, http_health
+from weightcache.contracts.vocabulary import (  # noqa: F401  (re-exported for main)
+    EXIT_CONFIG,
+    EXIT_DAEMON,
+    EXIT_OK,
+    EXIT_PORT,
+    EXIT_RUNTIME,
+)
 from weightcache.native.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
 
 # Exit codes of `weightcache agent` (documented in docs/agent.md).
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_RUNTIME = 3
-EXIT_PORT = 4
-EXIT_DAEMON = 5
 
 
 class State(enum.Enum):
@@ -294,6 +296,7 @@ class Supervisor:
                     if r.state == State.LOADING or (refresh and r.state == State.READY)]
             url = self.runtime.health_url()
             check_health = bool(todo) or not self._healthy
+            loading = any(self.ranks[i].state == State.LOADING for i, _ in todo)
         if refresh:
             self._last_refresh = now
         if not check_health:
@@ -301,6 +304,8 @@ class Supervisor:
         healthy = http_health(url, self.policy.probe_timeout) if url else True
         results = [(i, spec, self.runtime.probe(spec, self.policy.probe_timeout))
                    for i, spec in todo]
+        # Bytes loaded so far, so that Status shows a long load moving (runtime-reported).
+        progress = self.runtime.loading_bytes(self.policy.probe_timeout) if loading else {}
         with self._lock:
             if self._child is None:
                 return
@@ -318,6 +323,8 @@ class Supervisor:
                     r.bytes, r.stats = probe.bytes, probe.stats
                 elif r.state == State.LOADING:
                     r.message = f"loading ({probe.error})"
+                    if spec.global_rank in progress:
+                        r.bytes = progress[spec.global_rank]
             if self._all_ready_locked() and self.message != "ready":
                 self.message = "ready"
                 self.load_failures = 0

@@ -9,22 +9,22 @@ plus one registry entry in `runtimes/__init__.py`.
 from __future__ import annotations
 
 import http.client
-import os
+import json
 import socket
-import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from weightcache.agent.config import AgentConfig, Device
+from weightcache.native.security import socket_refusal
 
 
 @dataclass(frozen=True)
 class RankSpec:
     """One daemon rank this node serves: one model role on one local device."""
 
-    role: str  # "target" or "draft"
+    role: str  # vocabulary.ROLES: "target" or "draft"
     global_rank: int
     tp_rank: int
     dp_rank: int
@@ -79,6 +79,10 @@ class Runtime(ABC):
         """The child's own HTTP health endpoint, if it has one."""
         return None
 
+    def loading_bytes(self, timeout: float) -> dict[int, int]:
+        """Bytes each still-loading rank holds so far, by global rank ({}: not known)."""
+        return {}
+
     def collect_stats(self) -> bool:
         """Whether `Probe.stats` carries request counters worth exporting."""
         return False
@@ -87,29 +91,32 @@ class Runtime(ABC):
 def socket_is_ours(path: str, private_dir: str) -> str | None:
     """Why `path` must not be talked to, or None when it is a socket we own in our dir.
 
-    The checks mirror the daemons' own (lstat, owner uid, no symlinks, private directory),
-    so the agent never sends a request to a socket another user could have planted.
+    The daemons' own checks (weightcache.native.security: lstat, owner uid, no symlinks,
+    private directory), so the agent never sends a request to a socket another user could
+    have planted.
     """
-    uid = os.getuid()
-    directory = os.path.dirname(path)
-    if os.path.realpath(directory) != os.path.realpath(private_dir):
-        return f"{path} is outside the socket directory {private_dir}"
+    return socket_refusal(path, private_dir)
+
+
+MAX_HEALTH_BODY = 1 << 20
+
+
+def http_json(url: str, timeout: float) -> dict[str, Any] | None:
+    """The child's health endpoint's JSON body (any status), or None; never raises."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                      timeout=timeout)
     try:
-        dinfo = os.lstat(directory)
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return "socket not bound yet"
-    except OSError as exc:
-        return f"cannot stat {path}: {exc.strerror}"
-    if stat.S_ISLNK(dinfo.st_mode) or not stat.S_ISDIR(dinfo.st_mode):
-        return f"{directory} is not a real directory"
-    if dinfo.st_uid != uid or dinfo.st_mode & 0o077:
-        return f"{directory} is not private to uid {uid} (mode {oct(dinfo.st_mode & 0o777)})"
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISSOCK(info.st_mode):
-        return f"{path} is not a socket"
-    if info.st_uid != uid:
-        return f"{path} is owned by uid {info.st_uid}, not {uid}"
-    return None
+        conn.request("GET", parts.path or "/")
+        body = conn.getresponse().read(MAX_HEALTH_BODY + 1)
+        if len(body) > MAX_HEALTH_BODY:
+            return None
+        value = json.loads(body)
+        return value if isinstance(value, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
 
 
 def http_health(url: str, timeout: float) -> bool:

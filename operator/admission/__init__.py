@@ -9,11 +9,15 @@
 * `cmdline` - an engine container's command line as its shell and vLLM read it;
 * `inject` - the isolation table and the injectors: pure (pod, cache) -> JSON patch;
 * `notify` - Warning events on the cache for what the engine would silently get wrong;
+* `podsecurity` - warnings where the namespace's Pod Security level refuses the injection;
+* `alignment` - GPU ordering (CUDA_VISIBLE_DEVICES) of the engine against the cache;
+* `fingerprint`, `loaderconfig`, `shellscript` - vLLM's fingerprint fields, the loader's
+  accepted keys, the shell grammar (used by `inject` and `cmdline`);
 * `validate` - the WeightCache validating webhook;
 * `config`, `certs`, `keeper`, `metrics` - settings, certificates, configurations, metrics.
 
-This package may import `weightcache.constants`, the operator's `spec`, `imageref`, `events`
-and `kube`, kopf and aiohttp; nothing here imports the agent, the native cache, `bench` or
+May import: the operator's modules, `weightcache.constants` and `weightcache.contracts`
+(plus kopf, aiohttp, jsonpatch, bashlex); never the agent, the native cache, `bench` or
 `testing`. The decisions (`inject`, `cmdline`, `validate`) import neither kopf nor the API.
 """
 

@@ -28,7 +28,9 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, READY_VALUE
 from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
+from weightcache.operator.admission.alignment import inject_alignment
 from weightcache.operator.admission.cacheview import CacheView
 from weightcache.operator.admission.cmdline import (
     Argv,
@@ -37,8 +39,6 @@ from weightcache.operator.admission.cmdline import (
 )
 
 SOCKET_VOLUME = "weightcache-sockets"
-READY_VALUE = "ready"
-MODES = ("zero_copy", "copy")
 LOAD_FORMAT = "ipc_cache"
 
 
@@ -47,7 +47,7 @@ class Isolation:
     """What an engine pod needs so the runtime's memory export can reach it.
 
     One row per runtime, kept in one table so measurements on real GPUs update the
-    policy in one place (DESIGN.md, "Facts measured").
+    policy in one place (docs/gpu.md, "Isolation").
     """
 
     host_ipc: bool  # share the host IPC namespace and with it the host /dev/shm
@@ -500,6 +500,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
         )
     else:
         _inject_flags(container, argv, cache, mode, fallback, res)
+        inject_alignment(container, argv.tokens, cache, res)
     _check_mismatches(container, argv, cache, res)
     _inject_mount(spec, container, cache)
     _inject_identity(spec, container, cache, res)

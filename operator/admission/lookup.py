@@ -31,6 +31,7 @@ class IndexedCache:
     view: CacheView
     ref: dict[str, str]
     at: float = field(default_factory=time.monotonic)  # when this copy was read
+    pod_security: str | None = None  # status.podSecurity: the level the namespace enforces
 
 
 def indexed(body: Any) -> IndexedCache:
@@ -41,7 +42,11 @@ def indexed(body: Any) -> IndexedCache:
         "spec": body.get("spec") or {},
         "status": body.get("status") or {},
     }
-    return IndexedCache(view=CacheView.from_object(raw), ref=events.cache_ref(meta))
+    return IndexedCache(
+        view=CacheView.from_object(raw),
+        ref=events.cache_ref(meta),
+        pod_security=raw["status"].get("podSecurity"),
+    )
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from weightcache import constants as C
-from weightcache.operator.admission import inject, keeper, metrics, validate
+from weightcache.operator.admission import inject, keeper, metrics, podsecurity, validate
 from weightcache.operator.admission.config import (
     INDEX_ID,
     MUTATE_ID,
@@ -126,6 +126,12 @@ def register(
                 result = "denied"
                 raise kopf.AdmissionError(str(exc), code=403) from None
             warnings.extend(res.warnings)
+            if cache is not None:
+                warnings.extend(
+                    podsecurity.engine_warnings(
+                        cache.pod_security, cache.view.runtime, cache.view.namespace
+                    )
+                )
             if cache is None:
                 result = "unknown_cache"
             elif res.ops:

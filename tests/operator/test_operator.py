@@ -6,6 +6,7 @@ import json
 
 from tests.operator.conftest import NS, eventually
 from weightcache import constants as C
+from weightcache.contracts.plan import Plan
 
 TP16 = {
     "runtime": "vllm",
@@ -67,8 +68,11 @@ async def test_create_builds_owned_objects(cluster, operator):
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostPID"] is True and pod["hostIPC"] is True  # stock vLLM IPC
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"][0]["matchFields"] == [
-        {"key": "metadata.name", "operator": "In", "values": ["gpu-a", "gpu-b"]}
+    # One term per node: the API server takes one value per matchFields requirement
+    # (validateNodeFieldSelectorRequirement); the api_guard fixture rejects anything else.
+    assert [t["matchFields"] for t in terms["nodeSelectorTerms"]] == [
+        [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}],
+        [{"key": "metadata.name", "operator": "In", "values": ["gpu-b"]}],
     ]
     agent = pod["containers"][0]
     assert agent["image"] == "vllm/vllm-openai:v0.31.0"
@@ -92,7 +96,8 @@ async def test_create_builds_owned_objects(cluster, operator):
     plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
     assert plan["masterAddr"] == f"llama-rendezvous.{NS}.svc"
     assert [(n["node"], n["rank"]) for n in plan["nodes"]] == [("gpu-a", 0), ("gpu-b", 1)]
-    assert [s["globalRank"] for s in plan["nodes"][1]["slots"]] == list(range(8, 16))
+    ranks = Plan.from_doc(plan).local_ranks(1)
+    assert [r.global_rank for r in ranks] == list(range(8, 16))
     assert plan["layout"]["worldSize"] == 16 and plan["epoch"] == 1 and plan["uid"] == uid
 
     events = await cluster.list(f"/api/v1/namespaces/{NS}/events")

@@ -27,18 +27,16 @@ def test_replicas_are_planned_as_vllm_data_parallelism():
             "gpusPerNode": 8,
         }
     )
-    assert doc["layout"] == {
+    assert json.loads(doc.to_json())["layout"] == {
         "tensor": 2,
         "data": 4,
         "dataLocal": 4,
         "expert": False,
         "worldSize": 8,
-        "perNodeWorld": 8,
-        "replicasPerNode": 4,
     }
-    slots = doc["nodes"][0]["slots"]
-    assert [s["dpRank"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [s["replica"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    slots = doc.local_ranks(0)
+    assert [s.dp_rank for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.tp_rank for s in slots] == [0, 1] * 4
 
 
 def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
@@ -78,13 +76,19 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
         options=R.AgentOptions(runtime_class="nvidia", service_account="agent"),
     )
     pod = ds["spec"]["template"]["spec"]
-    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1"}}
+    # The user's cpu request wins; the operator's default memory request fills the gap.
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "256Mi"}}
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    pin = {"key": "metadata.name", "operator": "In", "values": ["n0", "n1"]}
-    assert [t["matchFields"] for t in terms] == [[pin], [pin]]  # ANDed into every user term
-    assert terms[1]["matchExpressions"][0]["values"] == ["b"]
+
+    def pin(node: str) -> list[dict]:
+        return [{"key": "metadata.name", "operator": "In", "values": [node]}]
+
+    # Every user term crossed with every node: one matchFields value per term.
+    assert [t["matchFields"] for t in terms] == [pin("n0"), pin("n0"), pin("n1"), pin("n1")]
+    assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"], ["a"], ["b"]]
+    assert R.pinned_nodes(pod) == ["n0", "n1"]
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["runtimeClassName"] == "nvidia" and pod["serviceAccountName"] == "agent"
@@ -117,7 +121,7 @@ def test_vllm_agent_runs_in_the_engine_image_with_host_namespaces():
     assert "PYTHONPATH" not in {e["name"] for e in pod["containers"][0]["env"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
-    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc
+    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc.to_doc()
 
 
 def test_contains_detects_drift_but_not_server_defaults():
@@ -138,10 +142,9 @@ def test_the_agent_accepts_every_plan_of_the_seed_layouts():
     ]:
         raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
         _, doc, _ = _build(raw, nodes=nodes)
-        plan = parse_plan(R.plan_json(doc))
+        plan = parse_plan(R.configmap(CACHE, doc)["data"][C.PLAN_KEY])
+        assert plan == doc  # the typed plan survives the ConfigMap unchanged
         assert plan.nodes == {n: i for i, n in enumerate(nodes)}
-        assert plan.layout.world_size == doc["layout"]["worldSize"]
-        assert plan.layout.data_local == doc["layout"]["dataLocal"]
         assert plan.master_addr == "llama-rendezvous.ml.svc"
 
 

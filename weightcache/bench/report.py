@@ -23,8 +23,10 @@ from collections.abc import Sequence
 SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
     "gpu": "weightcache.bench.gpu",
+    "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
+    "alignment": "weightcache.bench.alignment",
 }
 
 

@@ -27,20 +27,19 @@ import torch
 from torch import nn
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
-from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
-from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from .rankplan import plan_rank_shard
 from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
-
-MODES = ("zero_copy", "copy")
 
 
 class WeightCacheError(RuntimeError):
@@ -212,7 +211,7 @@ def _raise_for(reply: dict[str, Any]) -> None:
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
 class RankPlan:
-    layout: Layout
+    layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
@@ -232,16 +231,8 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
-    layout = plan_layout(
-        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
-    )
-    fingerprint = fp.compute(
-        ckpt,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        dtype=dtype,
-        shard_rules=[r.text for r in rules],
-        aliases=layout.aliases,
+    layout, fingerprint = plan_rank_shard(
+        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype
     )
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
@@ -288,20 +279,28 @@ def _from_cache(
             if not isinstance(table, list) or not isinstance(aliases, dict):
                 raise CacheProtocolError("get_state reply has no tensor table")
             if mode == "copy":
+                # Queued on the device; the mapping stays until the views are built and the
+                # release is sent, so that work overlaps the copy (unmapping waits for it).
                 flat = flat.clone()
-                imported.close()
             state = tensors_from_table(flat, table, aliases)
-        except LayoutError as exc:
+        except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         if mode == "copy":
-            released, _ = request(sock, "release")
-            if not released.get("ok"):
-                log.warning("weightcache: daemon did not release its cache: %s", released)
+            try:
+                if meta.get("transport") != "cuda_vmm":
+                    # Legacy IPC memory is freed by the exporter even while mapped here: the
+                    # copy must be done (unmapping waits for it) before the daemon may free.
+                    imported.close()
+                released, _ = request(sock, "release")
+                if not released.get("ok"):
+                    log.warning("weightcache: daemon did not release its cache: %s", released)
+            finally:
+                imported.close()
         return state, flat.numel()
 
 
-def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
     """The same shard and layout as the daemon's, read from the checkpoint files."""
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader
@@ -322,7 +321,7 @@ def attach(
     state_timeout_s: float | None = None,
     shard_rules: list[str] | None = None,
     dtype: str = "auto",
-    role: str = "main",
+    role: str = ROLE_TARGET,
     device_index: int | None = None,
 ) -> AttachResult:
     """Like `load_state_dict`, but also says where the tensors came from and how long it took."""

@@ -25,11 +25,26 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightcache.contracts.vocabulary import (
+    DTYPES,
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_SECURITY,
+    ROLE_ALIASES,
+    ROLE_TARGET,
+    ROLES,
+    canonical_role,
+)
+
 from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity, socket_path
 from .lifetime import request_parent_death_signal
+from .prefetch import Prefetcher
+from .progress import Counter, Ticker
 from .security import (
     AlreadyRunningError,
     SecurityError,
@@ -43,20 +58,22 @@ from .sharding import ShardingError, parse_rules
 if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
     import torch
 
-    from .loader import Layout
+    from .loader import ArenaLayout
     from .transport import Arena
-
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES
 
 log = logging.getLogger("weightcache.daemon")
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SECURITY = 0, 1, 2, 3, 4
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 64
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
+# Warm the page cache with the checkpoint while torch and CUDA start (prefetch.py); 1 = on.
+# Off by default: on the H200 VM with every cache dropped it competed with the imports' own
+# reads and made READY 1.1 s later (docs/performance.md).
+PREFETCH_ENV = "WEIGHTCACHE_LOAD_PREFETCH"
+LOADING_INTERVAL_S = 0.5  # how often a loading rank reports its bytes on stdout
 
 
 class Stop(BaseException):
@@ -132,7 +149,7 @@ class RankServer:
         *,
         arena: Arena,
         transport_name: str,
-        layout: Layout,
+        layout: ArenaLayout,
         fingerprint: dict[str, Any],
         identity: str,
         device: torch.device,
@@ -365,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-cache-socket-dir", default=None)
     p.add_argument("--shard-rule", action="append", default=None)
     p.add_argument("--no-shard-rules", action="store_true")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    p.add_argument("--role", choices=("main", "draft"), default="main")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--role", choices=(*ROLES, *ROLE_ALIASES), default=ROLE_TARGET)
     p.add_argument("--transport", default=None)
     p.add_argument("--allow-uid", type=int, action="append", default=[])
     p.add_argument("--parent-pid", type=int, default=None)
@@ -384,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     Taking the lock before importing torch makes a second daemon for the same device fail
     in a fraction of a second.
     """
+    started = time.monotonic()
     tp, rank = args.tensor_parallel_size, args.rank
     if tp < 1 or not 0 <= rank < tp:
         log.error("bad rank %d for tensor-parallel-size %d", rank, tp)
@@ -406,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("socket directory refused: %s", exc)
         return EXIT_SECURITY
     identity = device_identity(args.device, index)
+    args.role = canonical_role(args.role)
     path = socket_path(sock_dir, identity, args.role)
     lock = SocketLock(path)
     try:
@@ -419,43 +438,72 @@ def run(args: argparse.Namespace) -> int:
     arena: Arena | None = None
     listener: socket.socket | None = None
     server: RankServer | None = None
+    phases: dict[str, float] = {}
+    mark = started
+    prefetcher = None
+    if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
+        prefetcher = Prefetcher(ckpt.files).start()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = round(now - mark, 4)
+        mark = now
+
     try:
         import torch
 
-        from .loader import load_into_arena, plan_layout
+        from .loader import load_into_arena
+        from .rankplan import plan_rank_shard
         from .transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
+        phase("startup_seconds")  # headers, device identity (imports torch on CUDA), lock
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.empty(0, device=device)  # the CUDA context, timed on its own
+        phase("cuda_init_seconds")
         try:
-            layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype,
-                                 aliases=tied_aliases(ckpt))
+            layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp, tp_rank=rank,
+                                                  dtype=args.dtype)
         except ShardingError as exc:
             log.error("%s", exc)
             return EXIT_BAD_INPUT
-        fingerprint = fp.compute(
-            ckpt,
-            tp_size=tp,
-            tp_rank=rank,
-            dtype=args.dtype,
-            shard_rules=[r.text for r in rules],
-            aliases=layout.aliases,
-        )
         # A socket left by a dead daemon would let clients connect to nothing: drop it first.
         if os.path.lexists(path):
             with contextlib.suppress(FileNotFoundError):
                 if Path(path).is_socket() and not Path(path).is_symlink():
                     os.unlink(path)
+        phase("plan_seconds")
         t0 = time.monotonic()
         transport = get_transport(args.transport) if args.transport else default_transport(device)
         arena = transport.allocate(layout.nbytes, device)
-        load_into_arena(layout, arena.tensor())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        phase("allocate_seconds")
+        prefetched = prefetcher.stop() if prefetcher is not None else None
+        done = Counter()
+        t_load = time.monotonic()
+
+        def report() -> None:
+            _emit("LOADING " + json.dumps({
+                "rank": global_rank, "bytes_loaded": done.value, "bytes": layout.nbytes,
+                "seconds": round(time.monotonic() - t_load, 3)}))
+
+        ticker = Ticker(report, LOADING_INTERVAL_S).start()
+        try:
+            loaded = load_into_arena(layout, arena.tensor(), progress=done.add)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            ticker.stop()
+        done.add(layout.nbytes - done.value)  # the alignment padding between tensors
+        report()
+        phase("fill_seconds")
         load_seconds = time.monotonic() - t0
         delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
         if delay > 0:
             time.sleep(delay)
         arena.export()  # seal / create the handle now, not on the first engine's clock
+        phase("export_seconds")
         server = RankServer(
             arena=arena,
             transport_name=transport.name,
@@ -485,6 +533,11 @@ def run(args: argparse.Namespace) -> int:
                     "bytes": layout.nbytes,
                     "tensors": len(layout.entries),
                     "load_seconds": round(load_seconds, 4),
+                    "load_gb_per_s": float(f"{layout.nbytes / load_seconds / 1e9:.4g}")
+                    if load_seconds > 0 else None,
+                    "phases": phases,
+                    "prefetch": prefetched,
+                    "loader": loaded.as_dict() if loaded is not None else None,
                     "pid": os.getpid(),
                 }
             )
@@ -499,6 +552,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         return EXIT_ERROR
     finally:
+        if prefetcher is not None:
+            prefetcher.stop()
         _Serving.server = _Serving.listener = None
         if server is not None:
             server.shutdown()

@@ -17,6 +17,7 @@ import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -38,23 +39,33 @@ def _describe_mode(mode: int) -> str:
     return oct(stat.S_IMODE(mode))
 
 
+def _lstat_ours(path: Path, what: str, kind: str, is_kind: Callable[[int], bool]) -> os.stat_result:
+    """lstat `path`; refuse a symlink, something other than a `kind`, or another uid's file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no {what}", str(path)) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SecurityError(f"{what} {path} is a symlink; refusing to use it")
+    if not is_kind(st.st_mode):
+        raise SecurityError(f"{what} {path} is not a {kind}")
+    if st.st_uid != os.getuid():
+        raise SecurityError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
+        )
+    return st
+
+
+def _check_owned_dir(path: Path) -> os.stat_result:
+    return _lstat_ours(path, "socket directory", "directory", stat.S_ISDIR)
+
+
 def check_dir(path: Path, *, private: bool) -> None:
     """Refuse a symlinked, foreign-owned, or group/world-writable directory.
 
     `private` (the auto-derived default) additionally refuses any group/world access.
     """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no socket directory", str(path)) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket directory {path} is a symlink; refusing to use it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise SecurityError(f"socket directory {path} is not a directory")
-    if st.st_uid != os.getuid():
-        raise SecurityError(
-            f"socket directory {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
-        )
+    st = _check_owned_dir(path)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise SecurityError(
             f"socket directory {path} is group- or world-writable ({_describe_mode(st.st_mode)})"
@@ -65,9 +76,14 @@ def check_dir(path: Path, *, private: bool) -> None:
         )
 
 
-def prepare_socket_dir(path: str | os.PathLike | None) -> Path:
-    """Daemon side: create (0700) and check the socket directory; return it."""
-    private = path is None
+def prepare_socket_dir(path: str | os.PathLike | None, *, make_private: bool = False) -> Path:
+    """Create (0700) and check the socket directory; return it.
+
+    The daemons call it for the directory they bind in. The node agent, which owns the
+    directory of its group, passes `make_private`: an existing directory of ours (a real
+    directory, our uid) is tightened to 0700 before the checks, and the checks then demand it.
+    """
+    private = path is None or make_private
     target = default_socket_dir() if path is None else Path(path)
     if not target.is_absolute():
         target = Path.cwd() / target
@@ -78,6 +94,9 @@ def prepare_socket_dir(path: str | os.PathLike | None) -> Path:
             pass
         else:
             os.chmod(target, 0o700)
+    if make_private:
+        _check_owned_dir(target)
+        os.chmod(target, 0o700)
     check_dir(target, private=private)
     return target
 
@@ -90,18 +109,30 @@ def resolve_socket_dir(path: str | os.PathLike | None) -> Path:
     return target
 
 
+def socket_refusal(path: str | os.PathLike, private_dir: str | os.PathLike) -> str | None:
+    """Why a client must not talk to `path`, or None when it is our socket in our private dir.
+
+    For callers that poll (the node agent's probes): the same checks as `resolve_socket_dir`
+    (private) and `check_socket_file`, answered as a reason instead of an exception.
+    """
+    path = Path(path)
+    if os.path.realpath(path.parent) != os.path.realpath(private_dir):
+        return f"{path} is outside the socket directory {private_dir}"
+    try:
+        check_dir(path.parent, private=True)
+        check_socket_file(path)
+    except FileNotFoundError:
+        return "socket not bound yet"
+    except SecurityError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot stat {path}: {exc.strerror}"
+    return None
+
+
 def check_socket_file(path: Path) -> None:
     """Refuse a socket path that is a symlink, not a socket, or owned by someone else."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no daemon socket", str(path)) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket {path} is a symlink; refusing to connect")
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SecurityError(f"{path} is not a socket")
-    if st.st_uid != os.getuid():
-        raise SecurityError(f"socket {path} is owned by uid {st.st_uid}, not by us")
+    _lstat_ours(path, "daemon socket", "socket", stat.S_ISSOCK)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
