@@ -17,10 +17,22 @@ must not starve the others. So, per rank:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 
-REQUEST_DEADLINE_S = 10.0
+DEADLINE_ENV = "WEIGHTCACHE_REQUEST_DEADLINE_S"  # operators (and tests) may shorten it
+
+
+def _deadline() -> float:
+    try:
+        value = float(os.environ.get(DEADLINE_ENV, "") or 10.0)
+    except ValueError:
+        return 10.0
+    return value if value > 0 else 10.0
+
+
+REQUEST_DEADLINE_S = _deadline()
 MAX_CONNECTIONS = 256
 PER_PID = 32
 PER_UID = 192
