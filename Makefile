@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean
+.PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean fuzz
 
 all: test
 
@@ -42,6 +42,11 @@ lint: $(STAMP)
 test: $(STAMP) tools prometheus
 	$(BIN)/ruff check .
 	PATH="$(abspath $(TOOLS)):$$PATH" $(BIN)/python -m pytest -q -rs
+
+# The property tests of the native cache with many more examples (minutes, not seconds).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:logging --hypothesis-show-statistics \
+	  tests/native/test_robustness.py tests/native/test_preload_refuses.py
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m gpu tests
