@@ -176,7 +176,7 @@ def test_a_reply_of_shared_references_is_refused_fast(tmp_path):
             conn.sendall(struct.pack("!Q", len(payload)) + payload)
 
     threading.Thread(target=answer, daemon=True).start()
-    with pytest.raises(vllm_probe.ProbeError, match="more than|deeper than"):
+    with pytest.raises(vllm_probe.ProbeError, match=r"more than|deeper than"):
         vllm_probe.get_memory(path, timeout=5)
     server.close()
     ok = {"status": "error", "message": "x" * 10_000}
