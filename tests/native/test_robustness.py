@@ -330,16 +330,40 @@ def liar(served, tmp_path):
         p.close()
 
 
+def open_fds() -> set[tuple[str, str]]:
+    """(fd, target) of this process' descriptors (listdir's own, closed by now, is skipped)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    return out
+
+
+def no_fd_leak(before: set[tuple[str, str]], timeout: float = 5.0) -> bool:
+    """True once this process holds no fd it did not hold before (the proxy thread closes
+    its side asynchronously, so allow it a moment)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if open_fds() <= before:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @pytest.mark.parametrize("lie", sorted(_lies()))
 def test_a_lying_daemon_never_gets_past_the_client(lie, liar, ckpt):
     path = liar(_lies()[lie])
+    direct = attach(ckpt, socket_path=path.with_name("none.sock"), fallback=True)
+    before = open_fds()
     with pytest.raises(WeightCacheError):
         attach(ckpt, socket_path=path, fallback=False)
     res = attach(ckpt, socket_path=path, fallback=True)
     assert res.source == "disk"
-    direct = attach(ckpt, socket_path=path.with_name("none.sock"), fallback=True)
     for name, tensor in direct.state_dict.items():
         assert torch.equal(res.state_dict[name], tensor), name
+    assert no_fd_leak(before), open_fds() - before
 
 
 table_value = st.one_of(st.none(), st.integers(-(2**70), 2**70), st.text(max_size=5),
