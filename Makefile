@@ -38,9 +38,11 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -P -m weightcache.testing.layering
 
 test: $(STAMP) tools prometheus
 	$(BIN)/ruff check .
+	$(BIN)/python -P -m weightcache.testing.layering  # lint-imports over the installed layout
 	PATH="$(abspath $(TOOLS)):$$PATH" $(BIN)/python -m pytest -q -rs
 
 # The property tests of the native cache with many more examples (minutes, not seconds).

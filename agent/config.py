@@ -8,9 +8,7 @@ pod that cannot start must say why in its last log line.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping
@@ -18,11 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache import constants as C
-
-# A plan.json is a few KiB; anything far larger is not a plan.
-MAX_PLAN_BYTES = 1 << 20
-RUNTIMES = ("native", "vllm")
-_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
+from weightcache.native.gpu import canonical_identity
+from weightcache.native.identity import cpu_identity
 
 
 class ConfigError(Exception):
@@ -58,39 +54,6 @@ class AgentEnv:
             pod_name=env.get(C.ENV_POD_NAME, ""),
             plan_path=env.get(C.ENV_PLAN) or C.DEFAULT_PLAN_PATH,
         )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The daemon group's parallel layout as the operator planned it.
-
-    `data` is the data-parallel size the daemons are launched with (filler replicas of a
-    dense model included) and `data_local` the DP ranks per node.
-    """
-
-    tensor: int
-    data: int
-    data_local: int
-    expert: bool
-    world_size: int
-    replicas_per_node: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Parsed `plan.json` (docs/interfaces.md, "Placement ConfigMap")."""
-
-    cache: str
-    namespace: str
-    uid: str
-    epoch: int
-    runtime: str
-    master_addr: str
-    node_count: int
-    gpus_per_node: int
-    nodes: dict[str, int]
-    layout: Layout
-    spec: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -133,100 +96,21 @@ class AgentConfig:
         return str(self.spec.get("device") or "cuda")
 
 
-def _int(
-    obj: Mapping[str, Any], key: str, where: str, *, minimum: int = 0, default: Any = None
-) -> int:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"plan: {where}{key} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"plan: {where}{key} must be >= {minimum}, got {value}")
-    return value
-
-
-def _str(obj: Mapping[str, Any], key: str, where: str = "") -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"plan: {where}{key} must be a non-empty string, got {value!r}")
-    return value
-
-
 def parse_plan(text: str | bytes) -> Plan:
-    """Validate a plan document; raise `ConfigError` naming the first bad field."""
-    if len(text) > MAX_PLAN_BYTES:
-        raise ConfigError(f"plan: {len(text)} bytes is larger than the {MAX_PLAN_BYTES} byte limit")
+    """Validate a plan document (`Plan.from_json`) and what the agent needs of its spec."""
     try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"plan: not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError("plan: top level must be a JSON object")
-    runtime = _str(doc, "runtime")
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"plan: runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    node_count = _int(doc, "nodeCount", "", minimum=1)
-    raw_nodes = doc.get("nodes")
-    if not isinstance(raw_nodes, list) or not raw_nodes:
-        raise ConfigError("plan: nodes must be a non-empty list of {node, rank}")
-    nodes: dict[str, int] = {}
-    for i, item in enumerate(raw_nodes):
-        if not isinstance(item, dict):
-            raise ConfigError(f"plan: nodes[{i}] must be an object")
-        name = _str(item, "node", f"nodes[{i}].")
-        rank = _int(item, "rank", f"nodes[{i}].")
-        if name in nodes:
-            raise ConfigError(f"plan: node {name!r} appears twice")
-        nodes[name] = rank
-    if sorted(nodes.values()) != list(range(node_count)):
-        raise ConfigError(
-            f"plan: node ranks {sorted(nodes.values())} must be exactly 0..{node_count - 1}"
-        )
-    lay = doc.get("layout")
-    if not isinstance(lay, dict):
-        raise ConfigError("plan: layout must be an object")
-    tensor = _int(lay, "tensor", "layout.", minimum=1)
-    data = _int(lay, "data", "layout.", minimum=1, default=1)
-    layout = Layout(
-        tensor=tensor,
-        data=data,
-        data_local=_int(lay, "dataLocal", "layout.", minimum=1, default=max(data // node_count, 1)),
-        expert=bool(lay.get("expert", False)),
-        world_size=_int(lay, "worldSize", "layout.", minimum=1, default=tensor * data),
-        replicas_per_node=_int(lay, "replicasPerNode", "layout.", minimum=1, default=1),
-    )
-    if layout.world_size != tensor * data:
-        raise ConfigError(
-            f"plan: layout.worldSize {layout.world_size} != tensor {tensor} x data {data}"
-        )
-    if layout.world_size % node_count:
-        raise ConfigError(
-            f"plan: world size {layout.world_size} does not split evenly over {node_count} nodes"
-        )
-    spec = doc.get("spec")
-    if not isinstance(spec, dict):
-        raise ConfigError("plan: spec must be an object (the WeightCache spec)")
-    model = spec.get("model")
+        plan = Plan.from_json(text)
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from None
+    model = plan.spec.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
         raise ConfigError("plan: spec.model.path must be a non-empty string")
-    par = spec.get("parallelism") or {}
+    par = plan.spec.get("parallelism") or {}
     if not isinstance(par, dict):
         raise ConfigError("plan: spec.parallelism must be an object")
     if par.get("pipeline", 1) not in (None, 1):
         raise ConfigError("plan: pipeline parallelism is not supported by the weight cache daemons")
-    return Plan(
-        cache=_str(doc, "cache"),
-        namespace=_str(doc, "namespace"),
-        uid=str(doc.get("uid", "")),
-        epoch=_int(doc, "epoch", "", default=0),
-        runtime=runtime,
-        master_addr=str(doc.get("masterAddr") or ""),
-        node_count=node_count,
-        gpus_per_node=_int(doc, "gpusPerNode", "", minimum=1,
-                           default=layout.world_size // node_count),
-        nodes=nodes,
-        layout=layout,
-        spec=spec,
-    )
+    return plan
 
 
 def read_plan(path: str) -> Plan:
@@ -265,8 +149,6 @@ def discover_devices(
     """
     env = os.environ if environ is None else environ
     if kind == "cpu":
-        from weightcache.native.identity import cpu_identity
-
         return [Device(index=i, uuid=cpu_identity(i), kind="cpu") for i in range(count)]
     visible = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
     if visible in ("none", "void"):
@@ -274,8 +156,9 @@ def discover_devices(
     items = [v.strip() for v in visible.split(",") if v.strip()]
     if visible == "all":
         items = []
-    if items and all(_UUID_RE.match(v) for v in items):
-        return [Device(index=i, uuid=u) for i, u in enumerate(items)]
+    listed = [canonical_identity(v) for v in items]
+    if items and all(listed):
+        return [Device(index=i, uuid=str(u)) for i, u in enumerate(listed)]
     smi = shutil.which("nvidia-smi", path=env.get("PATH"))
     if runner is None and smi is None:
         raise ConfigError(
@@ -287,12 +170,13 @@ def discover_devices(
         out = (runner or _run_nvidia_smi)(argv)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ConfigError(f"nvidia-smi failed: {exc}") from exc
-    found: list[tuple[str, str]] = []
+    found: list[str] = []
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and _UUID_RE.match(parts[1]):
-            found.append((parts[0], parts[1]))
-    return [Device(index=n, uuid=u) for n, (_, u) in enumerate(found)]
+        uuid = canonical_identity(parts[1]) if len(parts) == 2 else None
+        if uuid:
+            found.append(uuid)
+    return [Device(index=n, uuid=u) for n, u in enumerate(found)]
 
 
 def _ports(spec: Mapping[str, Any]) -> dict[str, int]:
@@ -328,7 +212,7 @@ def build_config(
             f"(planned: {', '.join(sorted(plan.nodes))}); this pod should not run here"
         )
     node_rank = plan.nodes[env.node]
-    local_world = plan.layout.world_size // plan.node_count
+    local_world = plan.ranks_per_node
     # vLLM's daemons rendezvous across nodes; native ranks need no rendezvous.
     if plan.node_count > 1 and not plan.master_addr and plan.runtime == "vllm":
         raise ConfigError("plan: masterAddr is required when the group spans nodes")

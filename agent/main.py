@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import tempfile
 import threading
 from typing import Any
@@ -29,6 +28,7 @@ from weightcache.agent.supervisor import (
     Policy,
     Supervisor,
 )
+from weightcache.native import security
 
 log = logging.getLogger("weightcache.agent")
 
@@ -46,22 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prepare_socket_dir(path: str) -> None:
-    """Create the socket directory private to our uid and prove we can create files in it."""
+def ensure_socket_dir(path: str) -> None:
+    """Make the group's socket directory private to our uid and prove we can create files in it.
+
+    The directory checks are the daemons' (`security.prepare_socket_dir`); the agent owns the
+    directory, so it tightens an existing one to 0700 rather than refusing it.
+    """
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-            raise ConfigError(f"socket dir {path} is not a real directory")
-        if info.st_uid != os.getuid():
-            raise ConfigError(f"socket dir {path} is owned by uid {info.st_uid}, the agent runs "
-                              f"as uid {os.getuid()} (set runAs or fix the hostPath owner)")
-        os.chmod(path, 0o700)
+        security.prepare_socket_dir(path, make_private=True)
         fd, probe = tempfile.mkstemp(prefix=".agent-probe-", dir=path)
         os.close(fd)
         os.unlink(probe)
-    except ConfigError:
-        raise
+    except security.SecurityError as exc:
+        raise ConfigError(f"socket dir {path} refused: {exc} (set runAs or fix the hostPath "
+                          "owner)") from None
     except OSError as exc:
         raise ConfigError(f"socket dir {path} is not writable: {exc.strerror or exc}") from exc
 
@@ -96,14 +94,14 @@ def main(argv: list[str]) -> int:
         log.error("runtime %s: binary %r not found or not executable", runtime.name, argv0)
         return EXIT_RUNTIME
     try:
-        prepare_socket_dir(cfg.socket_dir)
+        ensure_socket_dir(cfg.socket_dir)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_RUNTIME
-    log.info("cache %s/%s node %s: node rank %d of %d, %d local rank(s) on %s, epoch %d, "
-             "runtime %s", cfg.env.namespace, cfg.env.cache, cfg.env.node, cfg.node_rank,
-             cfg.node_count, len(runtime.ranks()), ",".join(d.uuid for d in cfg.devices),
-             cfg.plan.epoch, runtime.name)
+    log.info("cache %s/%s (uid %s) node %s: node rank %d of %d, %d local rank(s) on %s, "
+             "epoch %d, runtime %s", cfg.env.namespace, cfg.env.cache, cfg.plan.uid or "?",
+             cfg.env.node, cfg.node_rank, cfg.node_count, len(runtime.ranks()),
+             ",".join(d.uuid for d in cfg.devices), cfg.plan.epoch, runtime.name)
 
     from weightcache.agent.grpc_service import GrpcServer
     from weightcache.agent.health import serve_http

@@ -34,16 +34,18 @@ from typing import Any
 
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.runtimes.base import RankSpec, Runtime, http_health
+from weightcache.contracts.vocabulary import (  # noqa: F401  (re-exported for main)
+    EXIT_CONFIG,
+    EXIT_DAEMON,
+    EXIT_OK,
+    EXIT_PORT,
+    EXIT_RUNTIME,
+)
 from weightcache.native.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
 
 # Exit codes of `weightcache agent` (documented in docs/agent.md).
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_RUNTIME = 3
-EXIT_PORT = 4
-EXIT_DAEMON = 5
 
 
 class State(enum.Enum):

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from weightcache import constants as C
+from weightcache.contracts import vocabulary as V
 from weightcache.operator import spec as S
 
 CRD_FILENAME = f"{C.GROUP}_{C.PLURAL}.yaml"
@@ -80,7 +81,7 @@ def spec_schema() -> dict:
         "Engine arguments passed through to the daemon. They enter the weight fingerprint, so "
         "they must equal the engines' own flags; the webhook warns about mismatches.",
         {
-            "dtype": _str("Weight dtype (--dtype).", enum=list(S.DTYPES), default="auto"),
+            "dtype": _str("Weight dtype (--dtype).", enum=list(V.DTYPES), default="auto"),
             "quantization": _str("Quantization method (--quantization), e.g. fp8."),
             "revision": _str("Model revision (--revision): branch, tag or commit."),
             "maxModelLen": _int("Maximum model context length (--max-model-len).", minimum=1),
@@ -153,7 +154,7 @@ def spec_schema() -> dict:
         {
             "mode": _str(
                 "zero_copy maps the daemon's memory; copy clones it and lets the daemon release.",
-                enum=list(S.MODES),
+                enum=list(V.MODES),
                 default="zero_copy",
             ),
             "fallback": _bool(
@@ -202,14 +203,14 @@ def spec_schema() -> dict:
             "runtime": _str(
                 "vllm runs the official `vllm preload` from the engines' image; native runs this "
                 "project's daemon (torch + safetensors) and serves any PyTorch consumer.",
-                enum=list(S.RUNTIMES),
+                enum=list(V.RUNTIMES),
             ),
             "image": _str(
                 "For vllm: the engines' vLLM image, pinned by tag or digest (the fingerprint "
                 "includes the vLLM version). For native: an optional agent image override."
             ),
             "device": _str(
-                "Native runtime only: cuda (default) or cpu (no GPU needed).", enum=list(S.DEVICES)
+                "Native runtime only: cuda (default) or cpu (no GPU needed).", enum=list(V.DEVICES)
             ),
             "model": model,
             "engineArgs": engine_args,

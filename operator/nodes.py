@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from weightcache.constants import node_ready_label
+from weightcache.contracts.vocabulary import READY_VALUE
 from weightcache.operator.kube import Kube, path
-
-READY_VALUE = "ready"
 
 
 def label_changes(

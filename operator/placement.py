@@ -6,8 +6,9 @@ Pure functions over plain data, so the rules are unit-tested without an API serv
 - ranks are sticky: a placed node keeps its rank while it stays eligible, so nodes coming and
   going elsewhere never reshuffle a group; a lost node's rank goes to the first eligible
   spare (by name), and the caller restarts the whole group with a new epoch;
-- the global rank of local GPU `i` on node `r` is vLLM's `r * per_node + i`, which makes DP
-  rank `start_rank + i // tp` with `start_rank = r * per_node // tp`.
+- what each GPU serves is not decided here: the plan carries the layout, and every reader
+  derives the ranks with the one formula of weightcache.contracts.ranks (vLLM's global rank
+  `r * per_node + i`, TP rank `g % tp`, DP rank `g // tp`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightcache.operator.spec import Layout
+from weightcache.operator.spec import Parallelism
 
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 GPU_COUNT_LABELS = ("nvidia.com/gpu.count", "amd.com/gpu.count")
@@ -91,7 +92,7 @@ def _gpu_count(status: Mapping[str, Any], labels: Mapping[str, str]) -> int:
     return 0
 
 
-def ineligible_reason(node: NodeInfo, spec: Mapping[str, Any], layout: Layout) -> str | None:
+def ineligible_reason(node: NodeInfo, spec: Mapping[str, Any], layout: Parallelism) -> str | None:
     """Why `node` cannot host the cache (a short reason key), or None when it can."""
     if not node.ready:
         return "NotReady"
@@ -195,7 +196,7 @@ def place(
     previous: list[str],
     nodes: Iterable[NodeInfo],
     spec: Mapping[str, Any],
-    layout: Layout,
+    layout: Parallelism,
 ) -> PlacementResult:
     """Choose `layout.nodes` nodes, keeping every previous node that is still eligible at its rank.
 
@@ -226,53 +227,6 @@ def place(
     )
 
 
-@dataclass(frozen=True)
-class RankSlot:
-    """What local GPU `gpu` of a node serves."""
-
-    gpu: int
-    replica: int
-    global_rank: int
-    tp_rank: int
-    dp_rank: int
-
-    def as_plan(self) -> dict[str, int]:
-        return {
-            "gpu": self.gpu,
-            "replica": self.replica,
-            "globalRank": self.global_rank,
-            "tpRank": self.tp_rank,
-            "dpRank": self.dp_rank,
-        }
-
-
-def node_slots(layout: Layout, node_rank: int) -> list[RankSlot]:
-    """The rank of every GPU the cache uses on the node with `node_rank` (vLLM's layout).
-
-    Replicas that fill a node are data-parallel ranks as vLLM places them, so the same
-    formula covers them: global rank `node_rank * local + i`, TP rank `global % tp`, DP rank
-    `global // tp` (= `start_rank + i // tp`).
-    """
-    slots = []
-    local = ranks_per_node(layout)
-    for gpu in range(local):
-        global_rank = node_rank * local + gpu
-        slots.append(
-            RankSlot(
-                gpu=gpu,
-                replica=gpu // layout.per_node_world,
-                global_rank=global_rank,
-                tp_rank=global_rank % layout.tensor,
-                dp_rank=global_rank // layout.tensor,
-            )
-        )
-    return slots
-
-
-def data_start_rank(layout: Layout, node_rank: int) -> int:
-    """vLLM's `--data-parallel-start-rank` for a node (the DP rank of its first GPU)."""
-    return node_rank * ranks_per_node(layout) // layout.tensor
-
-
-def ranks_per_node(layout: Layout) -> int:
+def ranks_per_node(layout: Parallelism) -> int:
+    """Daemon ranks on each placed node, filler replicas included."""
     return layout.per_node_world * layout.replicas_per_node

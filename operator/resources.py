@@ -21,8 +21,9 @@ from typing import Any
 
 from weightcache import __version__
 from weightcache import constants as C
-from weightcache.operator.placement import data_start_rank, needs_gpus, node_slots
-from weightcache.operator.spec import Layout
+from weightcache.contracts.plan import GroupLayout, Plan
+from weightcache.operator.placement import needs_gpus
+from weightcache.operator.spec import Parallelism
 
 ANN_PLAN_HASH = f"{C.GROUP}/plan-hash"
 AGENT_CONTAINER = "agent"
@@ -98,63 +99,49 @@ def master_addr(namespace: str, name: str) -> str:
 def plan(
     cache: Mapping[str, Any],
     spec: Mapping[str, Any],
-    layout: Layout,
+    layout: Parallelism,
     nodes: Sequence[str],
     epoch: int,
-) -> dict[str, Any]:
-    """plan.json (docs/interfaces.md): everything an agent needs, so agents need no API access.
+) -> Plan:
+    """The placement plan (docs/interfaces.md): everything an agent needs, so agents need no
+    API access.
 
     Replicas that fill a node are expressed the way vLLM places data parallelism: `data`
     counts them, so every GPU's rank follows the global layout `node_rank * local + i`.
     """
     meta = cache["metadata"]
     replicas = layout.replicas_per_node
-    plan_layout = {
-        "tensor": layout.tensor,
-        "data": layout.data * replicas,
-        "dataLocal": layout.data_local * replicas,
-        "expert": layout.expert,
-        "worldSize": layout.world_size * replicas,
-        "perNodeWorld": layout.per_node_world * replicas,
-        "replicasPerNode": replicas,
-    }
-    return {
-        "cache": meta["name"],
-        "namespace": meta["namespace"],
-        "uid": meta.get("uid", ""),
-        "epoch": epoch,
-        "runtime": spec["runtime"],
-        "masterAddr": master_addr(meta["namespace"], meta["name"]),
-        "nodeCount": layout.nodes,
-        "gpusPerNode": layout.gpus_per_node,
-        "nodes": [
-            {
-                "node": node,
-                "rank": rank,
-                "dataStartRank": data_start_rank(layout, rank),
-                "slots": [slot.as_plan() for slot in node_slots(layout, rank)],
-            }
-            for rank, node in enumerate(nodes)
-        ],
-        "layout": plan_layout,
-        "spec": dict(spec),
-    }
+    return Plan(
+        cache=meta["name"],
+        namespace=meta["namespace"],
+        uid=meta.get("uid", ""),
+        epoch=epoch,
+        runtime=spec["runtime"],
+        master_addr=master_addr(meta["namespace"], meta["name"]),
+        node_count=layout.nodes,
+        gpus_per_node=layout.gpus_per_node,
+        nodes={node: rank for rank, node in enumerate(nodes)},
+        layout=GroupLayout(
+            tensor=layout.tensor,
+            data=layout.data * replicas,
+            data_local=layout.data_local * replicas,
+            expert=layout.expert,
+            world_size=layout.world_size * replicas,
+        ),
+        spec=dict(spec),
+    )
 
 
-def plan_json(doc: Mapping[str, Any]) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+def plan_hash(doc: Plan) -> str:
+    return hashlib.sha256(doc.to_json().encode()).hexdigest()[:16]
 
 
-def plan_hash(doc: Mapping[str, Any]) -> str:
-    return hashlib.sha256(plan_json(doc).encode()).hexdigest()[:16]
-
-
-def configmap(cache: Mapping[str, Any], doc: Mapping[str, Any]) -> dict[str, Any]:
+def configmap(cache: Mapping[str, Any], doc: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(cache, C.placement_configmap_name(cache["metadata"]["name"])),
-        "data": {C.PLAN_KEY: plan_json(doc)},
+        "data": {C.PLAN_KEY: doc.to_json()},
     }
 
 
@@ -232,7 +219,7 @@ def _env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
 def daemonset(
     cache: Mapping[str, Any],
     spec: Mapping[str, Any],
-    doc: Mapping[str, Any],
+    doc: Plan,
     nodes: Sequence[str],
     options: AgentOptions,
 ) -> dict[str, Any]:
@@ -381,7 +368,7 @@ def daemonset(
                 "metadata": {
                     "labels": labels(name),
                     "annotations": {
-                        C.ANN_EPOCH: str(doc["epoch"]),
+                        C.ANN_EPOCH: str(doc.epoch),
                         ANN_PLAN_HASH: plan_hash(doc),
                     },
                 },

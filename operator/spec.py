@@ -16,11 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.constants import DEFAULT_PLAN_PATH, DEFAULT_PORTS, default_socket_dir
+from weightcache.contracts.vocabulary import DEVICES, MODES, RUNTIMES
 
-RUNTIMES = ("native", "vllm")
-DEVICES = ("cpu", "cuda")
-MODES = ("zero_copy", "copy")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEFAULT_MOUNT_PATH = "/models"
 DEFAULT_RUN_AS = {"uid": 1000, "gid": 1000}
 DEFAULT_ENGINE = {
@@ -98,7 +95,7 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Parallelism:
     """The parallel layout a valid spec implies (see placement.py for the rank maps)."""
 
     tensor: int
@@ -110,17 +107,6 @@ class Layout:
     world_size: int
     per_node_world: int
     replicas_per_node: int
-
-    def as_plan(self) -> dict[str, Any]:
-        return {
-            "tensor": self.tensor,
-            "data": self.data,
-            "dataLocal": self.data_local,
-            "expert": self.expert,
-            "worldSize": self.world_size,
-            "perNodeWorld": self.per_node_world,
-            "replicasPerNode": self.replicas_per_node,
-        }
 
 
 def _int(value: Any, default: int) -> int:
@@ -189,7 +175,7 @@ def with_defaults(spec: dict, namespace: str, name: str) -> dict:
     return out
 
 
-def layout(spec: dict) -> Layout:
+def layout(spec: dict) -> Parallelism:
     """The layout of a spec with defaults applied; call only when `validate` found nothing."""
     par = spec["parallelism"]
     tensor, data, nodes = par["tensor"], par["data"], par["nodes"]
@@ -197,7 +183,7 @@ def layout(spec: dict) -> Layout:
     per_node = world // nodes
     gpus = spec.get("gpusPerNode", per_node)
     replicas = gpus // per_node if not par.get("expert") and nodes == 1 else 1
-    return Layout(
+    return Parallelism(
         tensor=tensor,
         data=data,
         data_local=par.get("dataLocal", 1),

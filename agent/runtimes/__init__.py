@@ -1,4 +1,11 @@
-"""Runtime registry: the supervisor looks runtimes up by the plan's `runtime` name."""
+"""Daemon runtimes the agent supervises, and their registry (looked up by the plan's `runtime`).
+
+`base` is the seam (`Runtime`, `RankSpec`, `Probe`); `vllm` drives the official `vllm preload`
+launcher, `native` this project's `weightcache preload`. May import: the agent's `config`,
+`weightcache.contracts` and, for the native runtime, `weightcache.native`'s torch-free modules
+(protocol, identity, security); never the operator, `bench` or `testing`, and never vLLM
+itself (a vllm runtime only starts vLLM's launcher as a child).
+"""
 
 from __future__ import annotations
 

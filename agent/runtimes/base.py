@@ -9,22 +9,21 @@ plus one registry entry in `runtimes/__init__.py`.
 from __future__ import annotations
 
 import http.client
-import os
 import socket
-import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from weightcache.agent.config import AgentConfig, Device
+from weightcache.native.security import socket_refusal
 
 
 @dataclass(frozen=True)
 class RankSpec:
     """One daemon rank this node serves: one model role on one local device."""
 
-    role: str  # "target" or "draft"
+    role: str  # vocabulary.ROLES: "target" or "draft"
     global_rank: int
     tp_rank: int
     dp_rank: int
@@ -87,29 +86,11 @@ class Runtime(ABC):
 def socket_is_ours(path: str, private_dir: str) -> str | None:
     """Why `path` must not be talked to, or None when it is a socket we own in our dir.
 
-    The checks mirror the daemons' own (lstat, owner uid, no symlinks, private directory),
-    so the agent never sends a request to a socket another user could have planted.
+    The daemons' own checks (weightcache.native.security: lstat, owner uid, no symlinks,
+    private directory), so the agent never sends a request to a socket another user could
+    have planted.
     """
-    uid = os.getuid()
-    directory = os.path.dirname(path)
-    if os.path.realpath(directory) != os.path.realpath(private_dir):
-        return f"{path} is outside the socket directory {private_dir}"
-    try:
-        dinfo = os.lstat(directory)
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return "socket not bound yet"
-    except OSError as exc:
-        return f"cannot stat {path}: {exc.strerror}"
-    if stat.S_ISLNK(dinfo.st_mode) or not stat.S_ISDIR(dinfo.st_mode):
-        return f"{directory} is not a real directory"
-    if dinfo.st_uid != uid or dinfo.st_mode & 0o077:
-        return f"{directory} is not private to uid {uid} (mode {oct(dinfo.st_mode & 0o777)})"
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISSOCK(info.st_mode):
-        return f"{path} is not a socket"
-    if info.st_uid != uid:
-        return f"{path} is owned by uid {info.st_uid}, not {uid}"
-    return None
+    return socket_refusal(path, private_dir)
 
 
 def http_health(url: str, timeout: float) -> bool:

@@ -24,11 +24,10 @@ from typing import Any
 
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
-from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
 from weightcache.native import protocol
 from weightcache.native.identity import socket_path as native_socket_path
-
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def parallel_flags(cfg: AgentConfig) -> ParallelFlags:
@@ -40,14 +39,13 @@ def parallel_flags(cfg: AgentConfig) -> ParallelFlags:
     lay = cfg.plan.layout
     multi = cfg.multi_node
     dp = lay.data > 1
-    local = cfg.local_world_size
     return ParallelFlags(
         tensor_parallel_size=lay.tensor,
         data_parallel_size=lay.data,
         nnodes=cfg.node_count if multi else 1,
         node_rank=cfg.node_rank if multi else 0,
         data_parallel_size_local=lay.data_local if dp else None,
-        data_parallel_start_rank=cfg.node_rank * local // lay.tensor if dp else None,
+        data_parallel_start_rank=cfg.plan.data_start_rank(cfg.node_rank) if dp else None,
     )
 
 
@@ -78,7 +76,7 @@ class NativeRuntime(Runtime):
         self.flags = parallel_flags(cfg)
         try:
             self.placements: list[LocalRank] = plan_local_ranks(self.flags)
-        except LayoutError as exc:
+        except RankLayoutError as exc:
             raise ConfigError(f"runtime native: the plan's layout cannot be served: {exc}") \
                 from None
         if len(self.placements) != cfg.local_world_size:
@@ -122,7 +120,7 @@ class NativeRuntime(Runtime):
     def ranks(self) -> list[RankSpec]:
         cfg = self.cfg
         return [
-            RankSpec(role="target", global_rank=p.global_rank, tp_rank=p.tp_rank,
+            RankSpec(role=ROLE_TARGET, global_rank=p.global_rank, tp_rank=p.tp_rank,
                      dp_rank=p.dp_rank, local_index=p.local, device=cfg.devices[p.local],
                      socket_path=str(native_socket_path(cfg.socket_dir, cfg.devices[p.local].uuid)))
             for p in self.placements

@@ -4,7 +4,7 @@ The flags follow vLLM's own launcher (vllm/entrypoints/cli/preload.py and
 weight_cache/daemon.py, vLLM 0.33):
 - Global ranks enumerate DP then TP; node `r` serves the contiguous block
   `r * local_world .. r * local_world + local_world - 1`, local GPU `i` taking
-  `dp_rank = g // tp`, `tp_rank = g % tp` (`plan_local_ranks`).
+  `dp_rank = g // tp`, `tp_rank = g % tp` (`Plan.local_ranks`, weightcache.contracts.ranks).
 - DP = 1: multi-node TP uses `--nnodes/--node-rank/--master-addr`.
 - DP > 1 with whole DP ranks on each node: the DP placement flags
   (`--data-parallel-size-local`, `--data-parallel-start-rank`, `--data-parallel-address`);
@@ -31,6 +31,7 @@ from typing import Any
 from weightcache.agent import vllm_probe
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
+from weightcache.contracts.vocabulary import ROLE_DRAFT, ROLE_TARGET
 
 # Flags the agent derives from the plan; an extraArgs entry naming one is a conflict.
 OWNED_FLAGS = frozenset({
@@ -124,7 +125,7 @@ def parallel_args(cfg: AgentConfig) -> list[str]:
         dp_local = local // tp
         out += ["--data-parallel-size", str(dp), "--data-parallel-size-local", str(dp_local)]
         if nodes > 1:
-            out += ["--data-parallel-start-rank", str(rank * dp_local),
+            out += ["--data-parallel-start-rank", str(cfg.plan.data_start_rank(rank)),
                     "--data-parallel-address", cfg.master_addr]
         return out
     out += ["--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", cfg.master_addr,
@@ -169,16 +170,14 @@ class VllmRuntime(Runtime):
 
     def ranks(self) -> list[RankSpec]:
         cfg = self.cfg
-        tp = cfg.plan.layout.tensor
-        base = cfg.node_rank * cfg.local_world_size
-        roles = [("target", False)] + ([("draft", True)] if self.has_draft else [])
+        roles = [(ROLE_TARGET, False)] + ([(ROLE_DRAFT, True)] if self.has_draft else [])
         out = []
         for role, draft in roles:
-            for i, dev in enumerate(cfg.devices):
-                g = base + i
+            for r in cfg.plan.local_ranks(cfg.node_rank):
+                dev = cfg.devices[r.local]
                 out.append(RankSpec(
-                    role=role, global_rank=g, tp_rank=g % tp, dp_rank=g // tp, local_index=i,
-                    device=dev,
+                    role=role, global_rank=r.global_rank, tp_rank=r.tp_rank, dp_rank=r.dp_rank,
+                    local_index=r.local, device=dev,
                     socket_path=vllm_probe.socket_path(cfg.socket_dir, dev.uuid, draft=draft),
                 ))
         return out

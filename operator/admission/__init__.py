@@ -5,6 +5,7 @@
 and validating handlers, and a startup activity that prepares certificates, writes the
 webhook configurations and hands kopf a `WebhookServer`. The decisions themselves are
 pure functions in `mutate` and `validate`.
+May import: the operator's modules, `weightcache.constants` and `weightcache.contracts`.
 """
 
 from __future__ import annotations

@@ -29,11 +29,10 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, READY_VALUE
 from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
 
 SOCKET_VOLUME = "weightcache-sockets"
-READY_VALUE = "ready"
-MODES = ("zero_copy", "copy")
 LOAD_FORMAT = "ipc_cache"
 SHELLS = {"sh", "bash", "ash", "dash", "zsh", "ksh"}
 VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
@@ -44,7 +43,7 @@ class Isolation:
     """What an engine pod needs so the runtime's memory export can reach it.
 
     One row per runtime, kept in one table so measurements on real GPUs update the
-    policy in one place (DESIGN.md, "Facts measured").
+    policy in one place (docs/gpu.md, "Isolation").
     """
 
     host_ipc: bool  # share the host IPC namespace and with it the host /dev/shm

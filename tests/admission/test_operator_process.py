@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import ssl
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from tests.admission.conftest import cache_obj
 from weightcache import constants as C
 from weightcache.testing import emulator
 from weightcache.testing.ports import free_port
+from weightcache.testing.processes import operator_cmd
 from weightcache.testing.webhook import decode_patch, review_request
 
 
@@ -55,14 +55,7 @@ async def test_operator_cli_serves_injection_and_validation(kmock: Any, tmp_path
     port, certs = free_port(), tmp_path / "certs"
     log = (tmp_path / "operator.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "weightcache.cli",
-        "operator",
-        "--namespace",
-        "serving",
-        "--standalone",
-        "--no-scanning",
+        *operator_cmd("serving"),
         "--metrics-port",
         "0",
         "--health-port",

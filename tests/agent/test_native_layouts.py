@@ -46,7 +46,8 @@ def operator_plan(parallelism: dict, gpus: int | None = None) -> dict:
     assert spec.validate(full) == []
     lay = spec.layout(full)
     cache = {"metadata": {"name": "llama", "namespace": "default", "uid": "u"}}
-    return resources.plan(cache, full, lay, [f"gpu-{i}" for i in range(lay.nodes)], 1)
+    written = resources.plan(cache, full, lay, [f"gpu-{i}" for i in range(lay.nodes)], 1)
+    return json.loads(resources.configmap(cache, written)["data"]["plan.json"])
 
 
 @pytest.mark.parametrize(("parallelism", "gpus"), [
@@ -64,11 +65,15 @@ def test_operator_agent_and_launcher_agree(parallelism, gpus):
         args = preload.build_parser().parse_args(launcher_args(rt))
         served = [(p.local, p.global_rank, p.tp_rank, p.dp_rank)
                   for p in plan_local_ranks(preload.parallel_flags(args))]
-        planned = [(s["gpu"], s["globalRank"], s["tpRank"], s["dpRank"]) for s in node["slots"]]
         agent = [(r.local_index, r.global_rank, r.tp_rank, r.dp_rank) for r in rt.ranks()]
+        # The operator's own view of the group: vLLM's `node_rank * local + i` block.
+        local = plan["layout"]["worldSize"] // plan["nodeCount"]
+        tp = plan["layout"]["tensor"]
+        planned = [(i, g, g % tp, g // tp)
+                   for i, g in enumerate(range(node["rank"] * local, (node["rank"] + 1) * local))]
         assert served == planned == agent, node["node"]
         if args.data_parallel_start_rank is not None:
-            assert args.data_parallel_start_rank == node["dataStartRank"]
+            assert args.data_parallel_start_rank == node["rank"] * local // tp
 
 
 def test_golden_native_command_lines():

@@ -175,11 +175,11 @@ def test_socket_ownership_checks(rank_server, tmp_path):
     sock_dir = os.path.dirname(path)
     link = os.path.join(sock_dir, "link.sock")
     os.symlink(path, link)
-    assert "not a socket" in socket_is_ours(link, sock_dir)
+    assert "symlink" in socket_is_ours(link, sock_dir)
     assert "outside" in socket_is_ours(path, str(tmp_path))
     os.chmod(sock_dir, 0o755)
     try:
-        assert "not private" in socket_is_ours(path, sock_dir)
+        assert "must be private" in socket_is_ours(path, sock_dir)
     finally:
         os.chmod(sock_dir, 0o700)
     assert socket_is_ours(os.path.join(sock_dir, "absent.sock"), sock_dir) == \

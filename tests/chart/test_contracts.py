@@ -103,7 +103,9 @@ def _agent_daemonset(**spec_extra):
     spec = cache_spec.with_defaults(
         {"runtime": "native", "device": "cpu", "model": model, **spec_extra}, "ns", "c"
     )
-    return resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
+    return resources.daemonset(
+        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        resources.AgentOptions())
 
 
 def test_agent_ports_match_the_network_policy_and_pod_monitor():

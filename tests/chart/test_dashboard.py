@@ -26,6 +26,7 @@ from tests.chart import chart, rbac_eval
 from weightcache import constants as C
 from weightcache.testing import emulator
 from weightcache.testing.ports import free_port
+from weightcache.testing.processes import operator_cmd
 
 DASHBOARD = chart.CHART / "dashboards" / "weightcache.json"
 RULES = chart.CHART / "alerts" / "weightcache.rules.yaml"
@@ -188,14 +189,7 @@ async def test_every_panel_returns_data(kmock, tmp_path, tmp_path_factory):
     with open(op_log, "wb") as log:
         operator = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "weightcache.cli",
-                "operator",
-                "--namespace",
-                "default",
-                "--standalone",
-                "--no-scanning",
+                *operator_cmd("default"),
                 "--log-format",
                 "text",
                 "--health-port",

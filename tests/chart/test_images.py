@@ -146,7 +146,9 @@ def test_agent_daemonset_command_runs_in_these_images():
     spec = cache_spec.with_defaults(
         {"runtime": "native", "device": "cpu", "model": model}, "ns", "c"
     )
-    ds = resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
+    ds = resources.daemonset(
+        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        resources.AgentOptions())
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["command"][:3] == ["python3", "-m", "weightcache.cli"]
     for init in ds["spec"]["template"]["spec"]["initContainers"]:

@@ -112,7 +112,9 @@ def test_agents_get_no_api_access(default_docs):
         "ns",
         "c",
     )
-    ds = resources.daemonset(cache, spec, {"epoch": 1}, ["n1"], resources.AgentOptions())
+    ds = resources.daemonset(
+        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        resources.AgentOptions())
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from weightcache.native import coldload, gpu
+from weightcache.native import coldload, gpu, identity
 from weightcache.native.checkpoint import open_checkpoint
 from weightcache.native.loader import load_into_arena, plan_layout
 from weightcache.native.sharding import parse_rules
@@ -54,7 +54,7 @@ def process_gpu_bytes(pid: int) -> int | None:
 def test_device_uuid_and_visible_devices_remap():
     uuid = gpu.device_uuid(0)
     assert uuid == gpu.normalize_uuid(uuid)
-    assert gpu.resolve_device(uuid) == 0 and gpu.resolve_device(uuid[:12]) == 0
+    assert identity.device_identity("cuda", 0) == uuid  # socket names use the same identity
     code = "from weightcache.native import gpu; print(gpu.device_uuid(0))"
     for visible in (uuid, uuid[:12], os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}

@@ -1,6 +1,6 @@
 """CPU coverage of the CUDA side of the transport seam: runs everywhere, needs no GPU.
 
-GPU identity parsing, the registry's behaviour with CUDA transports present but unusable,
+GPU identity normalisation, the registry's behaviour with CUDA transports present but unusable,
 the legacy-IPC preflight errors, lazy imports without cuda-python, and the cold loader's
 planning and copying (its CPU path runs the same job plan as the CUDA one).
 """
@@ -42,29 +42,13 @@ def test_normalize_uuid_forms():
         gpu.uuid_from_bytes(b"\x00" * 15)
 
 
-def test_visible_devices_parsing_follows_the_runtime():
-    assert gpu.parse_visible_devices(None) is None
-    assert gpu.parse_visible_devices("") == []
-    entries = gpu.parse_visible_devices("3, 1")
-    assert [e.index for e in entries] == [3, 1]
-    # Parsing stops at the first invalid entry, like the CUDA runtime.
-    assert [e.raw for e in gpu.parse_visible_devices("2,bogus,0")] == ["2"]
-    mixed = gpu.parse_visible_devices(f"{UUID[:12]},1,MIG-abc")
-    assert mixed[0].uuid == UUID[:12] and mixed[0].index is None
-    assert mixed[1].index == 1 and mixed[2].uuid == "MIG-abc"
-    assert gpu.match_uuid(mixed[0], UUID)
-    assert not gpu.match_uuid(mixed[1], UUID)
-
-
-def test_physical_selector_remaps_indices_and_uuids():
-    assert gpu.physical_selector(2, {}) == "2"
-    env = {"CUDA_VISIBLE_DEVICES": f"5,{UUID}"}
-    assert gpu.physical_selector(0, env) == "5"
-    assert gpu.physical_selector(1, env) == UUID
-    with pytest.raises(gpu.GpuError):
-        gpu.physical_selector(2, env)
-    assert gpu.resolve_device("cuda:3") == 3 and gpu.resolve_device("1") == 1
-    assert gpu.socket_key("GPU-" + UUID[4:].upper()) == UUID
+def test_canonical_identity_is_what_the_daemons_name_sockets_by():
+    # nvidia-smi and NVIDIA_VISIBLE_DEVICES list `GPU-<uuid>` (or `MIG-...` for MIG instances).
+    assert gpu.canonical_identity("GPU-" + UUID[4:].upper()) == UUID
+    assert gpu.canonical_identity(" " + UUID) == UUID
+    assert gpu.canonical_identity("MIG-4f1e2a3b-1c2d") == "MIG-4f1e2a3b-1c2d"
+    assert gpu.canonical_identity("0") is None
+    assert gpu.canonical_identity("GPU-nothex") is None
 
 
 def test_cuda_transports_registered_but_unavailable_on_cpu():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightcache.contracts.ranks import LayoutError, ParallelFlags, plan_local_ranks
+from weightcache.contracts.ranks import ParallelFlags, RankLayoutError, plan_local_ranks
 from weightcache.native import launcher as preload
 from weightcache.native.client import FingerprintMismatchError, attach, query
 from weightcache.native.identity import cpu_identity, socket_path
@@ -160,7 +160,7 @@ def test_layout_rules_follow_vllm():
     ({"nnodes": 0}, "--nnodes", "must be >= 1"),
 ])
 def test_bad_layouts_name_the_flag(flags, flag, message):
-    with pytest.raises(LayoutError) as info:
+    with pytest.raises(RankLayoutError) as info:
         plan_local_ranks(ParallelFlags(**flags))
     assert info.value.flag == flag and message in str(info.value)
 

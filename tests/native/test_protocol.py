@@ -39,7 +39,7 @@ def test_hello_get_memory_stats(sock_path, served):
     assert hello["ok"] and hello["protocol"] == proto.PROTOCOL_VERSION and hello["ready"]
     assert hello["capabilities"] == ["memfd"] and hello["transport"] == "memfd"
     assert hello["device"]["kind"] == "cpu" and hello["device"]["uuid"].startswith("cpu-")
-    assert (hello["rank"], hello["tp_size"], hello["role"]) == (0, 1, "main")
+    assert (hello["rank"], hello["tp_size"], hello["role"]) == (0, 1, "target")
     mem = query(sock_path, "get_memory")
     assert mem["bytes"] == served[1]["bytes"] and mem["tensors"] > 0 and not mem["released"]
     stats = query(sock_path, "stats")

@@ -74,20 +74,7 @@ class Cluster:
         )
 
     async def create_cache(self, name: str, spec: dict, generation: int = 1) -> dict:
-        body = {
-            "apiVersion": C.API_VERSION,
-            "kind": C.KIND,
-            "metadata": {
-                "name": name,
-                "namespace": NS,
-                "uid": str(uuid.uuid4()),
-                # kopf tests resourceVersion in its JSON patches; kmock never changes it.
-                "resourceVersion": "1",
-                "generation": generation,
-            },
-            "spec": spec,
-        }
-        return await self.post(CR_URL, body)
+        return await self.post(CR_URL, emulator.cache_object(name, NS, spec, generation))
 
     async def cache(self, name: str) -> dict | None:
         return await self.get(cache_url(name))

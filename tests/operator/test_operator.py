@@ -6,6 +6,7 @@ import json
 
 from tests.operator.conftest import NS, eventually
 from weightcache import constants as C
+from weightcache.contracts.plan import Plan
 
 TP16 = {
     "runtime": "vllm",
@@ -92,7 +93,8 @@ async def test_create_builds_owned_objects(cluster, operator):
     plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
     assert plan["masterAddr"] == f"llama-rendezvous.{NS}.svc"
     assert [(n["node"], n["rank"]) for n in plan["nodes"]] == [("gpu-a", 0), ("gpu-b", 1)]
-    assert [s["globalRank"] for s in plan["nodes"][1]["slots"]] == list(range(8, 16))
+    ranks = Plan.from_doc(plan).local_ranks(1)
+    assert [r.global_rank for r in ranks] == list(range(8, 16))
     assert plan["layout"]["worldSize"] == 16 and plan["epoch"] == 1 and plan["uid"] == uid
 
     events = await cluster.list(f"/api/v1/namespaces/{NS}/events")

@@ -1,16 +1,16 @@
-"""The planner's rank layout against vLLM's, and sticky ranks under node churn."""
+"""The planned rank layout against vLLM's, and sticky ranks under node churn.
+
+The ranks are read back from the placement plan the operator writes (`Plan.local_ranks`, the
+one rank formula of weightcache.contracts.ranks), so they are what every agent serves.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from weightcache.operator.placement import (
-    NodeInfo,
-    data_start_rank,
-    ineligible_reason,
-    node_slots,
-    place,
-)
+from weightcache.contracts.plan import Plan
+from weightcache.operator.placement import NodeInfo, ineligible_reason, place
+from weightcache.operator.resources import plan
 from weightcache.operator.spec import layout, validate, with_defaults
 
 
@@ -26,6 +26,14 @@ def _spec(**par) -> dict:
     return spec
 
 
+def _plan(spec: dict) -> Plan:
+    """The plan as an agent reads it from the ConfigMap the operator writes."""
+    lay = layout(spec)
+    cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
+    written = plan(cache, spec, lay, [f"n{i}" for i in range(lay.nodes)], 1)
+    return Plan.from_json(written.to_json())
+
+
 def _vllm_global(node_rank: int, local: int, per_node: int) -> int:
     # vLLM: the global rank of local GPU i on node r.
     return node_rank * per_node + local
@@ -36,11 +44,11 @@ def test_tp16_over_two_nodes():
     lay = layout(spec)
     assert (lay.per_node_world, lay.gpus_per_node, lay.replicas_per_node) == (8, 8, 1)
     for node_rank in range(2):
-        slots = node_slots(lay, node_rank)
+        slots = _plan(spec).local_ranks(node_rank)
         assert [s.global_rank for s in slots] == [_vllm_global(node_rank, i, 8) for i in range(8)]
         assert [s.tp_rank for s in slots] == list(range(node_rank * 8, node_rank * 8 + 8))
         assert {s.dp_rank for s in slots} == {0}
-    all_ranks = [s.global_rank for r in range(2) for s in node_slots(lay, r)]
+    all_ranks = [s.global_rank for r in range(2) for s in _plan(spec).local_ranks(r)]
     assert all_ranks == list(range(16))
 
 
@@ -50,9 +58,9 @@ def test_tp1_dp16_expert_over_four_nodes_of_four():
     assert (lay.per_node_world, lay.data_local, lay.gpus_per_node) == (4, 4, 4)
     assert lay.expert and lay.world_size == 16
     for node_rank in range(4):
-        start = data_start_rank(lay, node_rank)
+        start = _plan(spec).data_start_rank(node_rank)
         assert start == 4 * node_rank  # the seed's --data-parallel-start-rank 4r
-        slots = node_slots(lay, node_rank)
+        slots = _plan(spec).local_ranks(node_rank)
         # vLLM's DP placement: local GPU i serves DP rank start_rank + i // tp, TP rank i % tp.
         assert [s.dp_rank for s in slots] == [start + i // 1 for i in range(4)]
         assert [s.tp_rank for s in slots] == [0, 0, 0, 0]
@@ -63,7 +71,7 @@ def test_tp8_dp2_over_four_nodes():
     spec = _spec(tensor=8, data=2, nodes=4)
     lay = layout(spec)
     assert (lay.per_node_world, lay.gpus_per_node) == (4, 4)
-    table = {r: node_slots(lay, r) for r in range(4)}
+    table = {r: _plan(spec).local_ranks(r) for r in range(4)}
     # Each TP group of 8 spans two nodes; DP rank 0 lives on nodes 0-1, DP rank 1 on 2-3.
     assert [s.dp_rank for s in table[0] + table[1]] == [0] * 8
     assert [s.dp_rank for s in table[2] + table[3]] == [1] * 8
@@ -77,10 +85,9 @@ def test_tp8_dp2_over_four_nodes():
 
 def test_tp4_dp2_single_node_matches_dp_placement():
     spec = _spec(tensor=2, data=4, nodes=2)
-    lay = layout(spec)
     for node_rank in range(2):
-        start = data_start_rank(lay, node_rank)
-        slots = node_slots(lay, node_rank)
+        start = _plan(spec).data_start_rank(node_rank)
+        slots = _plan(spec).local_ranks(node_rank)
         assert [s.dp_rank for s in slots] == [start + i // 2 for i in range(4)]
         assert [s.tp_rank for s in slots] == [i % 2 for i in range(4)]
 
@@ -89,8 +96,7 @@ def test_dense_tp_smaller_than_node_fills_it_with_replicas():
     spec = _spec(tensor=2, gpusPerNode=8)
     lay = layout(spec)
     assert lay.replicas_per_node == 4
-    slots = node_slots(lay, 0)
-    assert [s.replica for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    slots = _plan(spec).local_ranks(0)
     # Every replica is a complete TP2 group, so an engine given any GPU pair finds its shard.
     assert [s.tp_rank for s in slots] == [0, 1] * 4
     # Replicas are placed as vLLM places data parallelism: DP rank i // tp.

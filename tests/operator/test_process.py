@@ -6,13 +6,13 @@ import asyncio
 import json
 import os
 import signal
-import sys
 
 import aiohttp
 
 from tests.operator.conftest import eventually
 from tests.operator.test_operator import TP16
 from weightcache.testing.ports import free_port
+from weightcache.testing.processes import operator_cmd
 
 
 async def test_operator_process_serves_metrics_and_health(cluster, tmp_path):
@@ -20,23 +20,11 @@ async def test_operator_process_serves_metrics_and_health(cluster, tmp_path):
     log = tmp_path / "operator.log"
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "weightcache.cli",
-            "operator",
-            "--namespace",
-            "default",
-            "--standalone",
-            "--no-scanning",
-            "--no-webhook",
-            "--metrics-host",
-            "127.0.0.1",
-            "--metrics-port",
-            str(metrics_port),
-            "--health-port",
-            str(health_port),
-            "--log-format",
-            "json",
+            *operator_cmd(
+                "default", "--no-webhook", "--metrics-host", "127.0.0.1",
+                "--metrics-port", str(metrics_port), "--health-port", str(health_port),
+                "--log-format", "json",
+            ),
             env=dict(os.environ),
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,

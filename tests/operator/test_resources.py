@@ -27,18 +27,16 @@ def test_replicas_are_planned_as_vllm_data_parallelism():
             "gpusPerNode": 8,
         }
     )
-    assert doc["layout"] == {
+    assert json.loads(doc.to_json())["layout"] == {
         "tensor": 2,
         "data": 4,
         "dataLocal": 4,
         "expert": False,
         "worldSize": 8,
-        "perNodeWorld": 8,
-        "replicasPerNode": 4,
     }
-    slots = doc["nodes"][0]["slots"]
-    assert [s["dpRank"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [s["replica"] for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    slots = doc.local_ranks(0)
+    assert [s.dp_rank for s in slots] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.tp_rank for s in slots] == [0, 1] * 4
 
 
 def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
@@ -117,7 +115,7 @@ def test_vllm_agent_runs_in_the_engine_image_with_host_namespaces():
     assert "PYTHONPATH" not in {e["name"] for e in pod["containers"][0]["env"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
-    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc
+    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc.to_doc()
 
 
 def test_contains_detects_drift_but_not_server_defaults():
@@ -138,10 +136,9 @@ def test_the_agent_accepts_every_plan_of_the_seed_layouts():
     ]:
         raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
         _, doc, _ = _build(raw, nodes=nodes)
-        plan = parse_plan(R.plan_json(doc))
+        plan = parse_plan(R.configmap(CACHE, doc)["data"][C.PLAN_KEY])
+        assert plan == doc  # the typed plan survives the ConfigMap unchanged
         assert plan.nodes == {n: i for i, n in enumerate(nodes)}
-        assert plan.layout.world_size == doc["layout"]["worldSize"]
-        assert plan.layout.data_local == doc["layout"]["dataLocal"]
         assert plan.master_addr == "llama-rendezvous.ml.svc"
 
 

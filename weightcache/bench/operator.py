@@ -27,6 +27,7 @@ from typing import Any
 from weightcache import constants as C
 from weightcache.testing import emulator
 from weightcache.testing.ports import free_port
+from weightcache.testing.processes import operator_cmd
 
 HARNESS_AGENT = "weightcache-bench"
 NS = "default"
@@ -174,15 +175,7 @@ async def _fleet(fleet: int, sizes: list[int], resync_s: float) -> list[dict[str
                 port = free_port()
                 t_start = time.perf_counter()
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "weightcache.cli",
-                    "operator",
-                    "-n",
-                    NS,
-                    "--standalone",
-                    "--no-scanning",
-                    "--no-webhook",
+                    *operator_cmd(NS, "--no-webhook"),
                     "--metrics-host",
                     "127.0.0.1",
                     "--metrics-port",
@@ -227,23 +220,12 @@ async def _cache_round(
     await h.call(
         "POST",
         url,
-        {
-            "apiVersion": C.API_VERSION,
-            "kind": C.KIND,
-            "metadata": {
-                "name": name,
-                "namespace": NS,
-                "uid": str(uuid.uuid4()),
-                "resourceVersion": "1",
-                "generation": 1,
-            },
-            "spec": {
-                "runtime": "native",
-                "model": {"path": "/models/m"},
-                "parallelism": {"tensor": 8 * size, "nodes": size},
-                "placement": {"nodeSelector": {"pool": "gpu"}},
-            },
-        },
+        emulator.cache_object(name, NS, {
+            "runtime": "native",
+            "model": {"path": "/models/m"},
+            "parallelism": {"tensor": 8 * size, "nodes": size},
+            "placement": {"nodeSelector": {"pool": "gpu"}},
+        }),
     )
     await h.wait_phase(name, "Placing", 120)
     placed_s = time.perf_counter() - t0

@@ -8,7 +8,7 @@ this node expect:
 - without it, a launcher serves `--data-parallel-size-local` DP ranks from
   `--data-parallel-start-rank`, so local device `i` is DP rank `start + i // tp`, TP rank `i % tp`.
 
-The operator's planner (weightcache.operator.placement.node_slots) uses the same formula.
+The operator's planner, the placement plan and the agent use the same formula (`block_ranks`).
 Native ranks need no rendezvous: each computes its shard from the checkpoint, so a launcher
 only has to know its own block. For a dense model a DP rank does not change the bytes of a
 shard; it is reported, not fingerprinted.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-class LayoutError(ValueError):
+class RankLayoutError(ValueError):
     """A parallel layout no launcher can serve; `flag` names the option to fix."""
 
     def __init__(self, flag: str, message: str) -> None:
@@ -65,11 +65,11 @@ class ParallelFlags:
 
 def _at_least(flag: str, value: int, minimum: int) -> None:
     if value < minimum:
-        raise LayoutError(flag, f"must be >= {minimum}, got {value}")
+        raise RankLayoutError(flag, f"must be >= {minimum}, got {value}")
 
 
 def plan_local_ranks(flags: ParallelFlags) -> list[LocalRank]:
-    """Every local rank in device order; raise `LayoutError` naming the flag to fix."""
+    """Every local rank in device order; raise `RankLayoutError` naming the flag to fix."""
     tp, dp = flags.tensor_parallel_size, flags.data_parallel_size
     nnodes, node_rank = flags.nnodes, flags.node_rank
     dp_local, dp_start = flags.data_parallel_size_local, flags.data_parallel_start_rank
@@ -77,7 +77,7 @@ def plan_local_ranks(flags: ParallelFlags) -> list[LocalRank]:
     _at_least("--data-parallel-size", dp, 1)
     _at_least("--nnodes", nnodes, 1)
     if not 0 <= node_rank < nnodes:
-        raise LayoutError("--node-rank", f"must be between 0 and {nnodes - 1}, got {node_rank}")
+        raise RankLayoutError("--node-rank", f"must be between 0 and {nnodes - 1}, got {node_rank}")
     if dp_local is not None:
         _at_least("--data-parallel-size-local", dp_local, 1)
     if dp_start is not None:
@@ -85,19 +85,19 @@ def plan_local_ranks(flags: ParallelFlags) -> list[LocalRank]:
     world = dp * tp
     if nnodes > 1:
         if world % nnodes:
-            raise LayoutError(
+            raise RankLayoutError(
                 "--nnodes",
                 f"{nnodes} nodes do not split the world of {world} ranks "
                 f"(--data-parallel-size {dp} x --tensor-parallel-size {tp}) evenly",
             )
         local = world // nnodes
         if tp > local and tp % local:
-            raise LayoutError(
+            raise RankLayoutError(
                 "--tensor-parallel-size",
                 f"a tensor-parallel group of {tp} must span whole nodes of {local} ranks",
             )
         if tp <= local and local % tp:
-            raise LayoutError(
+            raise RankLayoutError(
                 "--tensor-parallel-size",
                 f"{local} ranks per node do not hold a whole number of tensor-parallel "
                 f"groups of {tp}",
@@ -105,13 +105,13 @@ def plan_local_ranks(flags: ParallelFlags) -> list[LocalRank]:
         base = node_rank * local
         # The DP placement flags are implied by --nnodes; given too, they must agree.
         if dp_local is not None and dp_local != max(local // tp, 1):
-            raise LayoutError(
+            raise RankLayoutError(
                 "--data-parallel-size-local",
                 f"node {node_rank} of {nnodes} holds {max(local // tp, 1)} data-parallel "
                 f"rank(s), not {dp_local}",
             )
         if dp_start is not None and dp_start != base // tp:
-            raise LayoutError(
+            raise RankLayoutError(
                 "--data-parallel-start-rank",
                 f"node {node_rank} of {nnodes} starts at data-parallel rank {base // tp}, "
                 f"not {dp_start}",
@@ -121,14 +121,34 @@ def plan_local_ranks(flags: ParallelFlags) -> list[LocalRank]:
         dp_start = 0 if dp_start is None else dp_start
         if dp_start + dp_local > dp:
             flag = "--data-parallel-start-rank" if dp_start else "--data-parallel-size-local"
-            raise LayoutError(
+            raise RankLayoutError(
                 flag,
                 f"--data-parallel-start-rank {dp_start} + --data-parallel-size-local "
                 f"{dp_local} exceeds --data-parallel-size {dp}",
             )
         local = dp_local * tp
         base = dp_start * tp
+    return block_ranks(base, local, tp)
+
+
+def block_ranks(base: int, count: int, tp: int) -> list[LocalRank]:
+    """The formula: local device `i` serves global rank `base + i`, TP rank `g % tp`, DP `g // tp`.
+
+    The one place it is written: the launcher (`plan_local_ranks`), the operator's planner
+    (`placement.node_slots`), the placement plan (`Plan.local_ranks`) and the agent's vllm
+    runtime all call it.
+    """
     return [
         LocalRank(local=i, global_rank=base + i, tp_rank=(base + i) % tp, dp_rank=(base + i) // tp)
-        for i in range(local)
+        for i in range(count)
     ]
+
+
+def node_ranks(node_rank: int, ranks_per_node: int, tp: int) -> list[LocalRank]:
+    """The block of node `node_rank` when every node serves `ranks_per_node` ranks."""
+    return block_ranks(node_rank * ranks_per_node, ranks_per_node, tp)
+
+
+def data_start_rank(node_rank: int, ranks_per_node: int, tp: int) -> int:
+    """vLLM's `--data-parallel-start-rank` of a node: the DP rank of its first device."""
+    return node_rank * ranks_per_node // tp

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 
-from .loader import DTYPE_CHOICES
+from weightcache.contracts.vocabulary import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--no-fallback", dest="fallback", action="store_false")
     p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--connect-timeout-s", type=float, default=None)
     p.add_argument("--state-timeout-s", type=float, default=None)
     p.add_argument("--verify-bytes", action="store_true", help="compare tensors with the disk")

@@ -27,15 +27,16 @@ import torch
 from torch import nn
 
 from weightcache import constants as C
+from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
 from . import content
-from . import fingerprint as fp
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .errors import WeightCacheError
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
-from .loader import Layout, LayoutError, load_into_arena, plan_layout, tensors_from_table
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from .rankplan import plan_rank_shard
 from .security import (
     SecurityError,
     check_peer,
@@ -47,8 +48,6 @@ from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
-
-MODES = ("zero_copy", "copy")
 
 
 class DaemonUnavailableError(WeightCacheError):
@@ -233,7 +232,7 @@ def _raise_for(reply: dict[str, Any]) -> None:
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
 class RankPlan:
-    layout: Layout
+    layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
@@ -253,21 +252,12 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
-    layout = plan_layout(
-        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
-    )
     try:  # a few sampled chunks: the daemon checks them against every byte it loaded
         claim = content.sample_claim(ckpt.files)
     except OSError as exc:
         raise CheckpointError(f"{model_dir}: cannot read: {exc}") from None
-    fingerprint = fp.compute(
-        ckpt,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        dtype=dtype,
-        shard_rules=[r.text for r in rules],
-        aliases=layout.aliases,
-        content=claim,
+    layout, fingerprint = plan_rank_shard(
+        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, content=claim
     )
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
@@ -343,7 +333,7 @@ def _from_cache_unchecked(
                 imported.close()
             # Our own table, now known equal to the daemon's.
             state = tensors_from_table(flat, plan.layout.table(), plan.layout.aliases)
-        except LayoutError as exc:
+        except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         except BaseException:
@@ -354,7 +344,7 @@ def _from_cache_unchecked(
         return state, flat.numel()
 
 
-def load_from_disk(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
     """The same shard and layout as the daemon's, read from the checkpoint files."""
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader
@@ -375,7 +365,7 @@ def attach(
     state_timeout_s: float | None = None,
     shard_rules: list[str] | None = None,
     dtype: str = "auto",
-    role: str = "main",
+    role: str = ROLE_TARGET,
     device_index: int | None = None,
 ) -> AttachResult:
     """Like `load_state_dict`, but also says where the tensors came from and how long it took."""

@@ -25,11 +25,24 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightcache.contracts.vocabulary import (
+    DTYPES,
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_SECURITY,
+    ROLE_ALIASES,
+    ROLE_TARGET,
+    ROLES,
+    canonical_role,
+)
+
 from . import content as content_mod
 from . import fingerprint as fp
 from . import limits
 from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity, socket_path
 from .lifetime import request_parent_death_signal
 from .security import (
@@ -47,14 +60,11 @@ from .sharding import ShardingError, parse_rules
 if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
     import torch
 
-    from .loader import Layout
+    from .loader import ArenaLayout
     from .transport import Arena
-
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES
 
 log = logging.getLogger("weightcache.daemon")
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOCKED, EXIT_SECURITY = 0, 1, 2, 3, 4
 IDLE_TIMEOUT_S = limits.REQUEST_DEADLINE_S  # a request must arrive whole within this
 MAX_CONNECTIONS = limits.MAX_CONNECTIONS
 MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
@@ -138,7 +148,7 @@ class RankServer:
         *,
         arena: Arena,
         transport_name: str,
-        layout: Layout,
+        layout: ArenaLayout,
         fingerprint: dict[str, Any],
         identity: str,
         device: torch.device,
@@ -453,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-cache-socket-dir", default=None)
     p.add_argument("--shard-rule", action="append", default=None)
     p.add_argument("--no-shard-rules", action="store_true")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    p.add_argument("--role", choices=("main", "draft"), default="main")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--role", choices=(*ROLES, *ROLE_ALIASES), default=ROLE_TARGET)
     p.add_argument("--transport", default=None)
     p.add_argument("--allow-uid", type=int, action="append", default=[])
     p.add_argument("--parent-pid", type=int, default=None)
@@ -494,6 +504,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("socket directory refused: %s", exc)
         return EXIT_SECURITY
     identity = device_identity(args.device, index)
+    args.role = canonical_role(args.role)
     path = socket_path(sock_dir, identity, args.role)
     lock = SocketLock(path)
     try:
@@ -519,13 +530,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from .loader import load_into_arena, plan_layout
+        from .loader import load_into_arena
+        from .rankplan import plan_rank_shard
         from .transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
         try:
-            layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype,
-                                 aliases=tied_aliases(ckpt))
+            layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp, tp_rank=rank,
+                                                  dtype=args.dtype)
         except ShardingError as exc:
             log.error("%s", exc)
             return EXIT_BAD_INPUT
@@ -555,15 +567,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("rank %d: %s", rank, digests["error"])
             return EXIT_ERROR
         record = digests["files"]
-        fingerprint = fp.compute(
-            ckpt,
-            tp_size=tp,
-            tp_rank=rank,
-            dtype=args.dtype,
-            shard_rules=[r.text for r in rules],
-            aliases=layout.aliases,
-            content=content_mod.content_root(record),
-        )
+        fingerprint = {**fingerprint, "content": content_mod.content_root(record)}
         load_seconds = time.monotonic() - t0
         delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
         if delay > 0:

@@ -1,36 +1,25 @@
-"""GPU identity: UUIDs, and `CUDA_VISIBLE_DEVICES` remapping.
+"""GPU identity: the canonical UUID of a device, from the driver or from a listing.
 
 Daemon sockets are keyed by GPU UUID because a device index means nothing across
 processes: an engine started with `CUDA_VISIBLE_DEVICES=3` calls physical GPU 3 `cuda:0`.
 Both sides compute the UUID of the device they use, so they meet on the same socket and the
 client can refuse a daemon that holds another GPU's memory.
 
-Everything that needs CUDA is imported lazily; the parsing helpers run anywhere.
+This is the one place a GPU becomes an identity string: `weightcache.native.identity` (socket
+names) and the node agent's device discovery call it. Everything that needs CUDA is imported
+lazily; the parsing helpers run anywhere.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
 
-ENV_VISIBLE = "CUDA_VISIBLE_DEVICES"
-
+_MIG_RE = re.compile(r"^MIG-[0-9A-Za-z-]+$")
 _UUID_RE = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12})$")
 
 
 class GpuError(RuntimeError):
     """A device could not be identified or resolved."""
-
-
-@dataclass(frozen=True)
-class VisibleEntry:
-    """One entry of `CUDA_VISIBLE_DEVICES`: a physical index, a (prefix of a) UUID, or MIG."""
-
-    raw: str
-    index: int | None = None
-    uuid: str | None = None
 
 
 def normalize_uuid(value: str) -> str:
@@ -51,51 +40,21 @@ def uuid_from_bytes(raw: bytes) -> str:
     return normalize_uuid(raw.hex())
 
 
-def parse_visible_devices(value: str | None) -> list[VisibleEntry] | None:
-    """Parse `CUDA_VISIBLE_DEVICES` the way the CUDA runtime does.
+def canonical_identity(value: str) -> str | None:
+    """The identity a GPU is known by: its canonical UUID (MIG instances keep their own `MIG-`
+    name), or None when `value` names no GPU.
 
-    None means unset (all devices visible, identity order). Parsing stops at the first
-    invalid entry, as the runtime does; an empty string hides every device.
+    The node agent reads UUIDs from `NVIDIA_VISIBLE_DEVICES` or nvidia-smi and the daemons
+    from the driver (`device_uuid`); both go through `normalize_uuid`, so they meet on the
+    same socket name whatever case or dashes a source used.
     """
-    if value is None:
+    text = value.strip()
+    if _MIG_RE.match(text):
+        return text
+    try:
+        return normalize_uuid(text) if text.startswith("GPU-") else None
+    except GpuError:
         return None
-    entries: list[VisibleEntry] = []
-    for item in value.split(","):
-        token = item.strip()
-        if not token:
-            break
-        if token.isdigit():
-            entries.append(VisibleEntry(raw=token, index=int(token)))
-        elif token.startswith("GPU-"):
-            entries.append(VisibleEntry(raw=token, uuid="GPU-" + token[4:].lower()))
-        elif token.startswith("MIG-"):
-            entries.append(VisibleEntry(raw=token, uuid=token))
-        else:
-            break
-    return entries
-
-
-def physical_selector(index: int, env: Mapping[str, str] | None = None) -> str:
-    """What CUDA ordinal `index` of this process stands for on the host.
-
-    Returns the physical index as a string, or the UUID (or UUID prefix) named in
-    `CUDA_VISIBLE_DEVICES`. The agent uses it to label ranks; sockets still use the UUID.
-    """
-    env = os.environ if env is None else env
-    entries = parse_visible_devices(env.get(ENV_VISIBLE))
-    if entries is None:
-        return str(index)
-    if index < 0 or index >= len(entries):
-        raise GpuError(f"device {index} is not visible ({ENV_VISIBLE}={env.get(ENV_VISIBLE)!r})")
-    entry = entries[index]
-    return str(entry.index) if entry.index is not None else entry.raw
-
-
-def match_uuid(entry: VisibleEntry, uuid: str) -> bool:
-    """Whether a `CUDA_VISIBLE_DEVICES` UUID entry (possibly a prefix) names `uuid`."""
-    if entry.uuid is None:
-        return False
-    return normalize_uuid(uuid).lower().startswith(entry.uuid.lower())
 
 
 def _driver():
@@ -146,37 +105,3 @@ def device_index(device) -> int:
     if dev.type != "cuda":
         raise GpuError(f"not a CUDA device: {dev}")
     return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
-def resolve_device(spec: str | int) -> int:
-    """CUDA ordinal in this process for a device named by ordinal, `cuda:N` or UUID.
-
-    The daemon accepts any of these so an operator can pin a rank to a physical GPU by
-    UUID whatever `CUDA_VISIBLE_DEVICES` the pod was given.
-    """
-    if isinstance(spec, int):
-        return spec
-    text = str(spec).strip()
-    if text.isdigit():
-        return int(text)
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    import torch
-
-    want = (normalize_uuid(text) if _UUID_RE.match(text) else text).lower()
-    for index in range(torch.cuda.device_count()):
-        have = device_uuid(index).lower()
-        if have.startswith(want):
-            return index
-    raise GpuError(f"no visible CUDA device has UUID {text!r}")
-
-
-def socket_key(uuid: str) -> str:
-    """File-name-safe key of a GPU for socket names (the canonical UUID is already safe)."""
-    return normalize_uuid(uuid)
-
-
-def device_info(device) -> dict:
-    """The `device` block of the `hello` reply for a CUDA device."""
-    index = device_index(device)
-    return {"kind": "cuda", "uuid": device_uuid(index), "index": index}

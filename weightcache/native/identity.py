@@ -14,7 +14,7 @@ import os
 import socket as _socket
 from pathlib import Path
 
-ROLES = ("main", "draft")
+from weightcache.contracts.vocabulary import ROLE_TARGET, canonical_role
 
 
 def machine_id() -> str:
@@ -33,27 +33,23 @@ def cpu_identity(index: int) -> str:
     return f"cpu-{digest}-{index}"
 
 
-def cuda_identity(index: int) -> str:
-    import torch
-
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-
-
 def device_identity(kind: str, index: int) -> str:
     """Identity of local device `index` of `kind` ("cpu" or "cuda")."""
     if kind == "cpu":
         return cpu_identity(index)
     if kind == "cuda":
-        return cuda_identity(index)
+        from .gpu import device_uuid
+
+        return device_uuid(index)
     raise ValueError(f"unsupported device kind {kind!r}")
 
 
-def socket_path(socket_dir: str | os.PathLike, device_identity: str, role: str = "main") -> Path:
-    """`<dir>/<identity>.sock` for the main model, `<dir>/<identity>_draft.sock` for a draft."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+def socket_path(
+    socket_dir: str | os.PathLike, device_identity: str, role: str = ROLE_TARGET
+) -> Path:
+    """`<dir>/<identity>.sock` for the target model, `<dir>/<identity>_draft.sock` for a draft."""
+    role = canonical_role(role)
     if not device_identity or "/" in device_identity or device_identity.startswith("."):
         raise ValueError(f"bad device identity {device_identity!r}")
-    suffix = "" if role == "main" else f"_{role}"
+    suffix = "" if role == ROLE_TARGET else f"_{role}"
     return Path(socket_dir) / f"{device_identity}{suffix}.sock"

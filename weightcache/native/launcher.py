@@ -29,15 +29,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from weightcache.contracts.ranks import LayoutError, LocalRank, ParallelFlags, plan_local_ranks
+from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.vocabulary import DTYPES, EXIT_BAD_INPUT, EXIT_SECURITY
 
 from .lifetime import request_parent_death_signal
 
 log = logging.getLogger("weightcache.preload")
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # as loader.DTYPE_CHOICES, torch-free
-
-EXIT_BAD_INPUT, EXIT_SECURITY = 2, 4
 STOP_GRACE_S = 15.0
 # Liveness: a serving rank that does not answer `hello` within LIVENESS_TIMEOUT_S, twice in
 # a row, is reported `unresponsive` (503): a stopped or hung process still has its socket, so
@@ -171,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
                    help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--transport", default=None, help="arena transport (default: best available)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop all ranks when the process that started us dies (for supervisors)")
@@ -211,7 +209,7 @@ def _validate(args: argparse.Namespace) -> str | None:
     flags = parallel_flags(args)
     try:
         args.placements = plan_local_ranks(flags)
-    except LayoutError as exc:
+    except RankLayoutError as exc:
         return str(exc)
     devices = _device_count(args.device)
     local = len(args.placements)

@@ -21,7 +21,6 @@ from .checkpoint import Checkpoint, TensorInfo
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 _BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -32,7 +31,7 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 
 
-class LayoutError(ValueError):
+class ArenaLayoutError(ValueError):
     """A tensor table does not describe valid views of the buffer it comes with."""
 
 
@@ -44,7 +43,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _BY_NAME[name]
     except (KeyError, TypeError):
-        raise LayoutError(f"unknown dtype {name!r}") from None
+        raise ArenaLayoutError(f"unknown dtype {name!r}") from None
 
 
 def target_dtype(source: torch.dtype, dtype: str) -> torch.dtype:
@@ -85,7 +84,7 @@ def _contiguous(shape: list[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ArenaLayout:
     entries: list[Entry]
     aliases: dict[str, str]
     nbytes: int
@@ -102,7 +101,7 @@ def plan_layout(
     tp_rank: int,
     dtype: str = "auto",
     aliases: dict[str, str] | None = None,
-) -> Layout:
+) -> ArenaLayout:
     """Place every non-alias tensor of rank `tp_rank` at an ARENA_ALIGN-aligned offset.
 
     Raises ShardingError when a rule does not divide a tensor by `tp_size`.
@@ -125,7 +124,7 @@ def plan_layout(
     # An alias of a tensor the checkpoint does not hold is dropped rather than dangling.
     names = {e.name for e in entries}
     aliases = {a: t for a, t in aliases.items() if t in names}
-    return Layout(entries, aliases, align_up(offset, ARENA_ALIGN))
+    return ArenaLayout(entries, aliases, align_up(offset, ARENA_ALIGN))
 
 
 def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
@@ -135,10 +134,10 @@ def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
     return raw.view(info.dtype).view(info.shape)
 
 
-def load_into_arena(layout: Layout, flat: torch.Tensor) -> None:
+def load_into_arena(layout: ArenaLayout, flat: torch.Tensor) -> None:
     """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
-        raise LayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
+        raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     if flat.is_cuda:
         from .coldload import load_layout  # pinned, multi-threaded reads + async H2D copies
 
@@ -173,7 +172,7 @@ def tensors_from_table(
 ) -> dict[str, torch.Tensor]:
     """Named views into `flat`; aliases map to the very same tensor object as their target.
 
-    Every row is checked against the buffer so a bad table raises LayoutError, never reads
+    Every row is checked against the buffer so a bad table raises ArenaLayoutError, never reads
     out of bounds.
     """
     size = flat.numel()
@@ -184,24 +183,25 @@ def tensors_from_table(
             dtype = dtype_from_name(row["dtype"])
             shape, stride = list(row["shape"]), list(row["stride"])
         except (KeyError, TypeError) as exc:
-            raise LayoutError(f"malformed tensor table row {row!r}: {exc}") from None
+            raise ArenaLayoutError(f"malformed tensor table row {row!r}: {exc}") from None
         ints = [offset, nbytes, *shape, *stride]
         if not isinstance(name, str) or not all(isinstance(v, int) and v >= 0 for v in ints):
-            raise LayoutError(f"malformed tensor table row {row!r}")
+            raise ArenaLayoutError(f"malformed tensor table row {row!r}")
         if len(stride) != len(shape) or stride != _contiguous(shape):
-            raise LayoutError(f"tensor {name!r}: only contiguous strides are supported")
+            raise ArenaLayoutError(f"tensor {name!r}: only contiguous strides are supported")
         numel = 1
         for d in shape:
             numel *= d
         if numel * dtype.itemsize != nbytes or offset + nbytes > size:
-            raise LayoutError(f"tensor {name!r}: {nbytes} bytes at {offset} do not fit the arena")
+            raise ArenaLayoutError(
+                f"tensor {name!r}: {nbytes} bytes at {offset} do not fit the arena")
         if offset % dtype.itemsize:
-            raise LayoutError(f"tensor {name!r}: offset {offset} is not aligned for {dtype}")
+            raise ArenaLayoutError(f"tensor {name!r}: offset {offset} is not aligned for {dtype}")
         if name in out:
-            raise LayoutError(f"tensor {name!r} appears twice in the table")
+            raise ArenaLayoutError(f"tensor {name!r} appears twice in the table")
         out[name] = flat[offset : offset + nbytes].view(dtype).view(shape)
     for alias, target in (aliases or {}).items():
         if target not in out or not isinstance(alias, str):
-            raise LayoutError(f"alias {alias!r} points at unknown tensor {target!r}")
+            raise ArenaLayoutError(f"alias {alias!r} points at unknown tensor {target!r}")
         out[alias] = out[target]
     return out

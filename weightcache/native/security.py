@@ -17,6 +17,7 @@ import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -54,25 +55,39 @@ def _describe_mode(mode: int) -> str:
     return oct(stat.S_IMODE(mode))
 
 
+def _lstat_ours(
+    path: Path, what: str, kind: str, is_kind: Callable[[int], bool],
+    owners: set[int] | None = None,
+) -> os.stat_result:
+    """lstat `path`; refuse a symlink, something other than a `kind`, or a file of a uid not
+    in `owners` (default: ours)."""
+    owners = {os.getuid()} if owners is None else owners
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no {what}", str(path)) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise SecurityError(f"{what} {path} is a symlink; refusing to use it")
+    if not is_kind(st.st_mode):
+        raise SecurityError(f"{what} {path} is not a {kind}")
+    if st.st_uid not in owners:
+        raise SecurityError(
+            f"{what} {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
+        )
+    return st
+
+
+def _check_owned_dir(path: Path, owners: set[int] | None = None) -> os.stat_result:
+    return _lstat_ours(path, "socket directory", "directory", stat.S_ISDIR, owners)
+
+
 def check_dir(path: Path, *, private: bool, owners: set[int] | None = None) -> None:
     """Refuse a symlinked, foreign-owned, or group/world-writable directory.
 
     `private` (the auto-derived default) additionally refuses any group/world access.
     `owners`: uids the directory may belong to (default: ours).
     """
-    owners = {os.getuid()} if owners is None else owners
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no socket directory", str(path)) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket directory {path} is a symlink; refusing to use it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise SecurityError(f"socket directory {path} is not a directory")
-    if st.st_uid not in owners:
-        raise SecurityError(
-            f"socket directory {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
-        )
+    st = _check_owned_dir(path, owners)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise SecurityError(
             f"socket directory {path} is group- or world-writable ({_describe_mode(st.st_mode)})"
@@ -83,9 +98,14 @@ def check_dir(path: Path, *, private: bool, owners: set[int] | None = None) -> N
         )
 
 
-def prepare_socket_dir(path: str | os.PathLike | None) -> Path:
-    """Daemon side: create (0700) and check the socket directory; return it."""
-    private = path is None
+def prepare_socket_dir(path: str | os.PathLike | None, *, make_private: bool = False) -> Path:
+    """Create (0700) and check the socket directory; return it.
+
+    The daemons call it for the directory they bind in. The node agent, which owns the
+    directory of its group, passes `make_private`: an existing directory of ours (a real
+    directory, our uid) is tightened to 0700 before the checks, and the checks then demand it.
+    """
+    private = path is None or make_private
     target = default_socket_dir() if path is None else Path(path)
     if not target.is_absolute():
         target = Path.cwd() / target
@@ -96,6 +116,9 @@ def prepare_socket_dir(path: str | os.PathLike | None) -> Path:
             pass
         else:
             os.chmod(target, 0o700)
+    if make_private:
+        _check_owned_dir(target)
+        os.chmod(target, 0o700)
     check_dir(target, private=private)
     return target
 
@@ -108,19 +131,31 @@ def resolve_socket_dir(path: str | os.PathLike | None) -> Path:
     return target
 
 
-def check_socket_file(path: Path, owners: set[int] | None = None) -> None:
-    """Refuse a socket path that is a symlink, not a socket, or owned by someone else."""
-    owners = {os.getuid()} if owners is None else owners
+def socket_refusal(path: str | os.PathLike, private_dir: str | os.PathLike) -> str | None:
+    """Why a client must not talk to `path`, or None when it is our socket in our private dir.
+
+    For callers that poll (the node agent's probes): the same checks as `resolve_socket_dir`
+    (private) and `check_socket_file`, answered as a reason instead of an exception.
+    """
+    path = Path(path)
+    if os.path.realpath(path.parent) != os.path.realpath(private_dir):
+        return f"{path} is outside the socket directory {private_dir}"
     try:
-        st = os.lstat(path)
+        check_dir(path.parent, private=True)
+        check_socket_file(path)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no daemon socket", str(path)) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise SecurityError(f"socket {path} is a symlink; refusing to connect")
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SecurityError(f"{path} is not a socket")
-    if st.st_uid not in owners:
-        raise SecurityError(f"socket {path} is owned by uid {st.st_uid}, not by us")
+        return "socket not bound yet"
+    except SecurityError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot stat {path}: {exc.strerror}"
+    return None
+
+
+def check_socket_file(path: Path, owners: set[int] | None = None) -> None:
+    """Refuse a socket path that is a symlink, not a socket, or owned by a uid not in
+    `owners` (default: ours)."""
+    _lstat_ours(path, "daemon socket", "socket", stat.S_ISSOCK, owners)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

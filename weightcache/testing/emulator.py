@@ -8,6 +8,7 @@ built-in resources. The kubeconfig points kopf at the emulator; kopf reads it at
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +45,20 @@ def write_kubeconfig(path: str | Path, server: str, **kw: Any) -> Path:
     path = Path(path)
     path.write_text(kubeconfig(server, **kw))
     return path
+
+
+def cache_object(name: str, namespace: str, spec: dict[str, Any], generation: int = 1) -> dict:
+    """A WeightCache as the API server would hold it, ready to POST to kmock."""
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": str(uuid.uuid4()),
+            # kopf tests resourceVersion in its JSON patches; kmock never changes it.
+            "resourceVersion": "1",
+            "generation": generation,
+        },
+        "spec": spec,
+    }

@@ -1,5 +1,6 @@
-"""The project's commands as child processes: a `weightcache preload` to start and stop, and
-one `weightcache attach` in a fresh interpreter, the way a restarting engine would run."""
+"""The project's commands as child processes: a `weightcache preload` to start and stop,
+one `weightcache attach` in a fresh interpreter, the way a restarting engine would run, and the
+command line of a standalone `weightcache operator`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from typing import Any
 
 def weightcache_cmd() -> list[str]:
     return [sys.executable, "-m", "weightcache.cli"]
+
+
+def operator_cmd(namespace: str, *flags: str) -> list[str]:
+    """`weightcache operator` for one namespace, alone (no peering, no cluster-wide scan)."""
+    return [*weightcache_cmd(), "operator", "--namespace", namespace, "--standalone",
+            "--no-scanning", *flags]
 
 
 class Preload:

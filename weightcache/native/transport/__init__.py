@@ -4,6 +4,10 @@ Transports live in sibling modules that expose a module-level `TRANSPORT` object
 `register`). Modules are imported lazily, so a CPU-only install never imports CUDA bindings;
 a CUDA transport module that cannot import its bindings (no `cuda-python`) raises ImportError
 and is simply not registered.
+
+May import: torch, the CUDA driver bindings (lazily, in the CUDA modules only) and
+`weightcache.native.gpu`; nothing else of the package, so the daemon and the client depend on
+transports and not the other way round.
 """
 
 from __future__ import annotations

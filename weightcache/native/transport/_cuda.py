@@ -10,7 +10,9 @@ alive while an engine still holds its weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..gpu import device_uuid
 from .base import TransportError, TransportUnavailableError
 
 
@@ -186,6 +189,88 @@ class MappedImport:
     def close(self) -> None:
         self._tensor = None
         self._memory = None
+
+
+class DeviceArena:
+    """Daemon side of a CUDA transport: one allocation, a flat uint8 view of it, and its export
+    as the metadata every client checks (transport, sizes, the GPU's UUID, the exporter's pid).
+
+    The CUDA transports differ only in how the allocation is made, shared and released:
+    subclasses allocate after `super().__init__` (setting `_memory`), and implement `_share`
+    (the transport's own metadata fields and fds) and `_release` (what they hold besides the
+    mapping).
+    """
+
+    transport: str = ""
+
+    def __init__(self, nbytes: int, ordinal: int) -> None:
+        if nbytes < 0:
+            raise TransportError(f"arena size must be >= 0, got {nbytes}")
+        self.nbytes = nbytes
+        self.ordinal = ordinal
+        self.uuid = device_uuid(ordinal)
+        self._memory: DeviceMemory | None = None
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self._memory is None:
+            raise TransportError("arena is closed")
+        if self._tensor is None:
+            self._tensor = self._memory.tensor()
+        return self._tensor
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        if self._memory is None:
+            raise TransportError("arena is closed")
+        fields, fds = self._share()
+        meta = {"transport": self.transport, "nbytes": self.nbytes, **fields,
+                "uuid": self.uuid, "pid": os.getpid()}
+        return meta, fds
+
+    def close(self) -> None:
+        """Drop the daemon's hold; views still held in this process keep the mapping."""
+        if self._memory is None:
+            return
+        with contextlib.suppress(TransportError):
+            synchronize(self.ordinal)
+        self._release()
+        self._tensor = None
+        self._memory = None  # unmaps/frees now unless a view in this process still holds it
+
+    def _share(self) -> tuple[dict[str, Any], list[int]]:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Release what the transport holds besides the mapping (fds, handles)."""
+
+
+class CudaTransport:
+    """What the CUDA transports share: availability, allocation, and the checks before a map."""
+
+    name: str = ""
+    arena: type[DeviceArena] = DeviceArena
+
+    def available(self, device: torch.device) -> bool:
+        return cuda_usable(device)
+
+    def allocate(self, nbytes: int, device: torch.device) -> DeviceArena:
+        if not self.available(device):
+            raise TransportUnavailableError(f"{self.name} cannot serve {device}")
+        return self.arena(nbytes, device_ordinal(device))
+
+    def target(self, meta: dict[str, Any], device: torch.device) -> int:
+        """The ordinal to map onto: a usable CUDA device that is the GPU holding the arena."""
+        ordinal = device_ordinal(device)
+        if not self.available(device):
+            raise TransportUnavailableError(f"{self.name} cannot map onto {device}")
+        mine = device_uuid(ordinal)
+        theirs = meta.get("uuid")
+        if theirs and theirs != mine:
+            raise TransportError(
+                f"the daemon's arena lives on GPU {theirs}, this process uses {mine} "
+                f"({device}); check CUDA_VISIBLE_DEVICES and the socket's GPU"
+            )
+        return ordinal
 
 
 def _run_release(ordinal: int, release: Callable[[], None]) -> None:

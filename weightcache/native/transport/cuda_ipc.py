@@ -12,16 +12,14 @@ host PID namespace). docs/gpu.md records which pod settings were seen to work. S
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from typing import Any
 
 import torch
 
-from ..gpu import device_uuid
 from . import _cuda
-from .base import Imported, TransportError, TransportUnavailableError
+from .base import Imported, TransportError
 
 NAME = "cuda_ipc"
 HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
@@ -46,59 +44,33 @@ def _handle_from(raw: bytes) -> Any:
     return handle
 
 
-class IpcArena:
-    """Daemon side: one `cuMemAlloc` allocation (not torch's caching allocator: offset 0)."""
+class IpcArena(_cuda.DeviceArena):
+    """Daemon side: one `cuMemAlloc` allocation (not torch's caching allocator: offset 0).
+
+    Closing frees it (cuMemFree) once no view in this process is left.
+    """
+
+    transport = NAME
 
     def __init__(self, nbytes: int, ordinal: int) -> None:
-        if nbytes < 0:
-            raise TransportError(f"arena size must be >= 0, got {nbytes}")
+        super().__init__(nbytes, ordinal)
         cu = _cuda.driver()
-        self.nbytes = nbytes
-        self.ordinal = ordinal
-        self.uuid = device_uuid(ordinal)
         _cuda.make_current(ordinal)
         try:
             ptr = int(_cuda.check(cu.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc"))
         except TransportError as exc:
             raise TransportError(f"cannot allocate a {nbytes}-byte IPC arena: {exc}") from exc
-        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
-            ptr, nbytes, ordinal, lambda: _free(ptr)
-        )
-        self._tensor: torch.Tensor | None = None
+        self._memory = _cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _free(ptr))
         self._handle: str | None = None
 
-    def tensor(self) -> torch.Tensor:
-        if self._memory is None:
-            raise TransportError("arena is closed")
-        if self._tensor is None:
-            self._tensor = self._memory.tensor()
-        return self._tensor
-
-    def export(self) -> tuple[dict[str, Any], list[int]]:
-        if self._memory is None:
-            raise TransportError("arena is closed")
+    def _share(self) -> tuple[dict[str, Any], list[int]]:
         if self._handle is None:
+            assert self._memory is not None
             cu = _cuda.driver()
             _cuda.make_current(self.ordinal)
             handle = _cuda.check(cu.cuIpcGetMemHandle(self._memory.ptr), "cuIpcGetMemHandle")
             self._handle = _handle_bytes(handle).hex()
-        meta = {
-            "transport": NAME,
-            "nbytes": self.nbytes,
-            "handle": self._handle,
-            "offset": 0,
-            "uuid": self.uuid,
-            "pid": os.getpid(),
-        }
-        return meta, []
-
-    def close(self) -> None:
-        if self._memory is None:
-            return
-        with contextlib.suppress(TransportError):
-            _cuda.synchronize(self.ordinal)
-        self._tensor = None
-        self._memory = None  # cuMemFree once no view in this process is left
+        return {"handle": self._handle, "offset": 0}, []
 
 
 def _free(ptr: int) -> None:
@@ -151,30 +123,14 @@ class IpcImported(_cuda.MappedImport):
         self._adopt(memory, nbytes)
 
 
-class IpcTransport:
+class IpcTransport(_cuda.CudaTransport):
     name = NAME
-
-    def available(self, device: torch.device) -> bool:
-        return _cuda.cuda_usable(device)
-
-    def allocate(self, nbytes: int, device: torch.device) -> IpcArena:
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_ipc cannot serve {device}")
-        return IpcArena(nbytes, _cuda.device_ordinal(device))
+    arena = IpcArena
 
     def attach(self, meta: dict[str, Any], fds: list[int], device: torch.device) -> Imported:
         for fd in fds:  # this transport passes no fds; never leak any that came
             os.close(fd)
-        ordinal = _cuda.device_ordinal(device)
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_ipc cannot map onto {device}")
-        mine = device_uuid(ordinal)
-        theirs = meta.get("uuid")
-        if theirs and theirs != mine:
-            raise TransportError(
-                f"the daemon's arena lives on GPU {theirs}, this process uses {mine} ({device})"
-            )
-        return IpcImported(meta, ordinal)
+        return IpcImported(meta, self.target(meta, device))
 
 
 TRANSPORT = IpcTransport()

@@ -14,15 +14,13 @@ A mapping stays valid when the daemon exits: the allocation lives while any proc
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
 import torch
 
-from ..gpu import device_uuid
 from . import _cuda
-from .base import Imported, TransportError, TransportUnavailableError
+from .base import Imported, TransportError
 
 NAME = "cuda_vmm"
 
@@ -82,18 +80,21 @@ def _unmap(ptr: int, size: int) -> None:
     _cuda.check(cu.cuMemAddressFree(ptr, size), "cuMemAddressFree")
 
 
-class VmmArena:
-    """Daemon side: one `cuMemCreate` allocation, mapped read-write, exportable as an fd."""
+class VmmArena(_cuda.DeviceArena):
+    """Daemon side: one `cuMemCreate` allocation, mapped read-write, exportable as an fd.
+
+    Closing drops the daemon's hold (the fd, the allocation handle and the mapping); the
+    physical memory goes back to the device once no process maps it any more: at once in copy
+    mode (clients cloned and unmapped), or when the last zero-copy engine unmaps.
+    """
+
+    transport = NAME
 
     def __init__(self, nbytes: int, ordinal: int) -> None:
-        if nbytes < 0:
-            raise TransportError(f"arena size must be >= 0, got {nbytes}")
+        super().__init__(nbytes, ordinal)
         cu = _cuda.driver()
-        self.nbytes = nbytes
-        self.ordinal = ordinal
         gran = granularity(ordinal)
         self.size = max(gran, (nbytes + gran - 1) // gran * gran)
-        self.uuid = device_uuid(ordinal)
         self._fd: int | None = None
         try:
             handle = _cuda.check(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
@@ -106,21 +107,9 @@ class VmmArena:
             cu.cuMemRelease(handle)
             raise
         size = self.size
-        self._memory: _cuda.DeviceMemory | None = _cuda.DeviceMemory(
-            ptr, nbytes, ordinal, lambda: _unmap(ptr, size)
-        )
-        self._tensor: torch.Tensor | None = None
+        self._memory = _cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _unmap(ptr, size))
 
-    def tensor(self) -> torch.Tensor:
-        if self._memory is None:
-            raise TransportError("arena is closed")
-        if self._tensor is None:
-            self._tensor = self._memory.tensor()
-        return self._tensor
-
-    def export(self) -> tuple[dict[str, Any], list[int]]:
-        if self._memory is None:
-            raise TransportError("arena is closed")
+    def _share(self) -> tuple[dict[str, Any], list[int]]:
         if self._fd is None:
             cu = _cuda.driver()
             _cuda.make_current(self.ordinal)
@@ -130,34 +119,14 @@ class VmmArena:
             )
             self._fd = int(fd)
             os.set_inheritable(self._fd, False)
-        meta = {
-            "transport": NAME,
-            "nbytes": self.nbytes,
-            "size": self.size,
-            "uuid": self.uuid,
-            "pid": os.getpid(),
-        }
-        return meta, [self._fd]
+        return {"size": self.size}, [self._fd]
 
-    def close(self) -> None:
-        """Drop the daemon's hold: the fd, the allocation handle and the mapping.
-
-        The physical memory goes back to the device once no process maps it any more: at
-        once in copy mode (clients cloned and unmapped), or when the last zero-copy engine
-        unmaps. Views still held inside this process keep the local mapping until they go.
-        """
-        if self._memory is None:
-            return
+    def _release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        cu = _cuda.driver()
-        with contextlib.suppress(TransportError):
-            _cuda.synchronize(self.ordinal)
-        _cuda.check(cu.cuMemRelease(self._handle), "cuMemRelease")
+        _cuda.check(_cuda.driver().cuMemRelease(self._handle), "cuMemRelease")
         self._handle = None
-        self._tensor = None
-        self._memory = None  # unmaps now unless a view in this process still holds it
 
 
 class VmmImported(_cuda.MappedImport):
@@ -185,16 +154,9 @@ class VmmImported(_cuda.MappedImport):
         self._adopt(_cuda.DeviceMemory(ptr, nbytes, ordinal, lambda: _unmap(ptr, size)), nbytes)
 
 
-class VmmTransport:
+class VmmTransport(_cuda.CudaTransport):
     name = NAME
-
-    def available(self, device: torch.device) -> bool:
-        return _cuda.cuda_usable(device)
-
-    def allocate(self, nbytes: int, device: torch.device) -> VmmArena:
-        if not self.available(device):
-            raise TransportUnavailableError(f"cuda_vmm cannot serve {device}")
-        return VmmArena(nbytes, _cuda.device_ordinal(device))
+    arena = VmmArena
 
     def attach(self, meta: dict[str, Any], fds: list[int], device: torch.device) -> Imported:
         if len(fds) != 1:
@@ -202,16 +164,7 @@ class VmmTransport:
                 os.close(fd)
             raise TransportError(f"cuda_vmm expects 1 fd, got {len(fds)}")
         try:
-            ordinal = _cuda.device_ordinal(device)
-            if not self.available(device):
-                raise TransportUnavailableError(f"cuda_vmm cannot map onto {device}")
-            mine = device_uuid(ordinal)
-            theirs = meta.get("uuid")
-            if theirs and theirs != mine:
-                raise TransportError(
-                    f"the daemon's arena lives on GPU {theirs}, this process uses {mine} "
-                    f"({device}); check CUDA_VISIBLE_DEVICES and the socket's GPU"
-                )
+            ordinal = self.target(meta, device)
         except BaseException:
             os.close(fds[0])
             raise

@@ -1,0 +1,45 @@
+"""One rank's shard as both sides compute it: where each tensor lives in the arena and the
+fingerprint that names it.
+
+The daemon (before it loads) and the client (before it asks, or when it falls back to disk)
+call this one function with the same inputs, so a cached shard and an engine's expectation
+cannot be computed two ways. Opening the checkpoint and parsing the rules stay with the
+callers: the daemon does both before taking its socket lock and importing torch, to refuse bad
+input fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import fingerprint as fp
+from .checkpoint import Checkpoint, tied_aliases
+from .loader import ArenaLayout, plan_layout
+from .sharding import ShardRule
+
+
+def plan_rank_shard(
+    ckpt: Checkpoint,
+    rules: list[ShardRule],
+    *,
+    tp_size: int,
+    tp_rank: int,
+    dtype: str,
+    content: Any = None,
+) -> tuple[ArenaLayout, dict[str, Any]]:
+    """The arena layout of rank `tp_rank`'s shard and its fingerprint (ShardingError if the
+    rules cannot split a tensor). `content`: the client's claim (content.sample_claim); the
+    daemon fills in its content root once it has digested the files."""
+    layout = plan_layout(
+        ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
+    )
+    fingerprint = fp.compute(
+        ckpt,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        dtype=dtype,
+        shard_rules=[r.text for r in rules],
+        aliases=layout.aliases,
+        content=content,
+    )
+    return layout, fingerprint
