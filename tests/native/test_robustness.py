@@ -370,30 +370,21 @@ table_value = st.one_of(st.none(), st.integers(-(2**70), 2**70), st.text(max_siz
                         st.lists(st.integers(-3, 2**40), max_size=4), st.booleans())
 
 
-@given(data=st.data())
-def test_any_rewritten_table_is_refused(data, liar, ckpt):
+@given(row=st.integers(0, 10_000), key=st.sampled_from(
+    ["name", "dtype", "shape", "stride", "offset", "nbytes", "drop"]), value=table_value)
+def test_any_rewritten_table_is_refused(row, key, value, liar, ckpt):
+    """Drawn here, applied in the proxy: one row of the real table changed or dropped."""
     def mutate(cmd, r, f):
         if cmd != "get_state" or not r.get("ok"):
             return r, f
         rows = r["tensors"]
-        i = data.draw(st.integers(0, len(rows) - 1), label="row")
-        key = data.draw(st.sampled_from(["name", "dtype", "shape", "stride", "offset",
-                                         "nbytes", "drop"]), label="key")
+        i = row % len(rows)
         if key == "drop":
             rows.pop(i)
         else:
-            value = data.draw(table_value, label="value")
-            if rows[i].get(key) == value:
-                value = [value]
-            rows[i][key] = value
+            rows[i][key] = value if rows[i].get(key) != value else [value]
         return r, f
 
     path = liar(mutate)
     with pytest.raises(WeightCacheError):
         attach(ckpt, socket_path=path, fallback=False)
-
-
-def test_the_proxy_itself_serves_when_it_does_not_lie(liar, ckpt):
-    """Control: the lies above are what the client refuses, not the proxy."""
-    path = liar(lambda cmd, r, f: (r, f))
-    assert attach(ckpt, socket_path=path, fallback=False).source == "cache"
