@@ -54,11 +54,15 @@ HOSTILE = textwrap.dedent("""
     frame = msgpack.packb({"cmd": "watch"})
     ok = 0
     for _ in range(watchers):
-        s = socket.socket(socket.AF_UNIX); s.connect(path)
-        s.sendall(struct.pack(">I", len(frame)) + frame)
-        s.settimeout(5)
-        n = struct.unpack(">I", s.recv(4))[0]
-        reply = msgpack.unpackb(s.recv(n))
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(path)
+            s.sendall(struct.pack(">I", len(frame)) + frame)
+            s.settimeout(5)
+            n = struct.unpack(">I", s.recv(4))[0]
+            reply = msgpack.unpackb(s.recv(n))
+        except (OSError, struct.error):
+            continue  # refused and closed by the daemon
         ok += bool(reply.get("ok"))
         held.append(s)
     print(ok, flush=True)

@@ -332,8 +332,7 @@ class RankServer:
                         self._slots.release(peer[0], peer[1])  # a watcher holds no attach slot
                         pool = self._watch_slots
                         self._hold_watch(conn)
-                        return
-                    continue
+                    return  # refused (`busy` sent) or done watching: the connection closes
                 handler = getattr(self, f"cmd_{cmd}", None) if cmd in proto.COMMANDS else None
                 if handler is None:
                     self.stats.request("unknown", proto.E_UNKNOWN_COMMAND)
