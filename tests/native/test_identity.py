@@ -16,18 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from weightcache.native import content
 from weightcache.native.checkpoint import read_header
 from weightcache.native.client import FingerprintMismatchError, attach, query
 
-
-def reference(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+from .test_attach import reference
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

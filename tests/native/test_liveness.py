@@ -7,24 +7,16 @@ import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 from weightcache.native.client import query
 
-
-def health(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+from .test_lifecycle import http_status
 
 
 def wait_for(url: str, code: int, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        got, body = health(url)
+        got, body = http_status(url)
         if got == code or time.monotonic() > deadline:
             assert got == code, body
             return body

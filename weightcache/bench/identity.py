@@ -11,20 +11,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
-
-
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +25,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
+    from weightcache.bench.native import _median
     from weightcache.bench.report import print_ratios
     from weightcache.native import content
     from weightcache.native.checkpoint import open_checkpoint, tied_aliases
