@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -33,9 +34,10 @@ _STATES = {
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
-    def __init__(self, cfg: AgentConfig, supervisor: Supervisor) -> None:
+    def __init__(self, cfg: AgentConfig, supervisor: Supervisor, alignment: Any = None) -> None:
         self.cfg = cfg
         self.supervisor = supervisor
+        self.alignment = alignment  # weightcache.agent.alignment.ReportServer, or None
 
     def Status(self, request, context):
         snap = self.supervisor.snapshot()
@@ -55,6 +57,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 local_index=s.local_index, gpu_uuid=s.device.uuid, socket_path=s.socket_path,
                 state=_STATES[r.state], bytes=r.bytes, pid=r.pid, since=since, message=r.message,
             )
+        for m in self.alignment.recent() if self.alignment is not None else ():
+            reply.alignment_misses.add(seq=m.seq, pod=m.pod, result=m.result, detail=m.detail,
+                                       missed_ranks=m.missed_ranks)
         return reply
 
     def Release(self, request, context):
@@ -70,11 +75,13 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
 
 class GrpcServer:
-    def __init__(self, cfg: AgentConfig, supervisor: Supervisor, host: str, port: int) -> None:
+    def __init__(self, cfg: AgentConfig, supervisor: Supervisor, host: str, port: int,
+                 alignment: Any = None) -> None:
         self.supervisor = supervisor
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                   options=[("grpc.so_reuseport", 0)])
-        agent_pb2_grpc.add_AgentServicer_to_server(AgentService(cfg, supervisor), self.server)
+        agent_pb2_grpc.add_AgentServicer_to_server(AgentService(cfg, supervisor, alignment),
+                                                  self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -64,6 +64,19 @@ def ensure_socket_dir(path: str) -> None:
         raise ConfigError(f"socket dir {path} is not writable: {exc.strerror or exc}") from exc
 
 
+def start_alignment(cfg: AgentConfig, ranks: list) -> Any:
+    """Publish the GPU map engines align to and start counting their reports."""
+    from weightcache.agent.alignment import ReportServer, publish_map
+
+    reports = ReportServer(cfg)
+    try:
+        log.info("published GPU map %s", publish_map(cfg, ranks))
+        reports.start()
+    except OSError as exc:  # engines then start unaligned; the daemons are unaffected
+        log.warning("GPU alignment unavailable: %s", exc)
+    return reports
+
+
 def _startup(args: argparse.Namespace) -> AgentConfig:
     environ = dict(os.environ)
     if args.plan:
@@ -98,6 +111,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_RUNTIME
+    reports = start_alignment(cfg, runtime.ranks())
     log.info("cache %s/%s (uid %s) node %s: node rank %d of %d, %d local rank(s) on %s, "
              "epoch %d, runtime %s", cfg.env.namespace, cfg.env.cache, cfg.plan.uid or "?",
              cfg.env.node, cfg.node_rank, cfg.node_count, len(runtime.ranks()),
@@ -119,16 +133,19 @@ def main(argv: list[str]) -> int:
                      on_change=on_change)
     host = args.bind or cfg.env.pod_ip
     try:
-        http = serve_http(host, cfg.ports["metrics"], build_registry(cfg, sup),
-                          lambda: sup.alive, sup.ready)
+        registry = build_registry(cfg, sup)
+        registry.register(reports.collector())
+        http = serve_http(host, cfg.ports["metrics"], registry, lambda: sup.alive, sup.ready)
     except OSError as exc:
         log.error("metrics/health port %s:%d unavailable: %s", host, cfg.ports["metrics"], exc)
+        reports.stop()
         return EXIT_PORT
     try:
-        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"])
+        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"], alignment=reports)
     except OSError as exc:
         log.error("gRPC port %s:%d unavailable: %s", host, cfg.ports["grpc"], exc)
         http.shutdown()
+        reports.stop()
         return EXIT_PORT
     grpc_server.start()
     log.info("serving gRPC on %s:%d and HTTP (/metrics, /healthz, /readyz) on %s:%d",
@@ -148,6 +165,7 @@ def main(argv: list[str]) -> int:
         sup.stop()
         grpc_server.stop()
         http.shutdown()
+        reports.stop()
         for s, handler in old.items():
             with contextlib.suppress(ValueError):
                 signal.signal(s, handler)

@@ -20,7 +20,9 @@ from weightcache.contracts import vocabulary as V
 from weightcache.operator import spec as S
 
 CRD_FILENAME = f"{C.GROUP}_{C.PLURAL}.yaml"
-PHASES = ["Pending", "Placing", "Loading", "Ready", "Degraded", "Invalid", "Unschedulable"]
+PHASES = [
+    "Pending", "Placing", "Loading", "Ready", "Degraded", "Invalid", "Unschedulable", "Failed"
+]
 
 
 def _str(description: str, **extra: Any) -> dict:
@@ -116,6 +118,7 @@ def spec_schema() -> dict:
             "nodes": _int(
                 "Number of nodes in the group; tensor*data must divide evenly over them.",
                 minimum=1,
+                maximum=S.MAX_NODES,
                 default=1,
             ),
         },
@@ -226,6 +229,7 @@ def spec_schema() -> dict:
                 "A dense single-node model with fewer ranks than this fills the node with "
                 "independent replicas.",
                 minimum=1,
+                maximum=S.MAX_GPUS_PER_NODE,
             ),
             "placement": placement,
             "socketDir": _str(
@@ -261,18 +265,26 @@ def spec_schema() -> dict:
     )
 
 
+# metav1.Condition's own validation (apimachinery pkg/apis/meta/v1/validation ValidateCondition,
+# the same bounds as its OpenAPI markers): reason CamelCase-ish, message <= 32768.
+CONDITION_REASON_PATTERN = "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+CONDITION_MESSAGE_MAX = 32768
+
+
 def _condition() -> dict:
     return _obj(
-        "A standard condition (Kubernetes API conventions).",
+        "A standard condition (Kubernetes API conventions, metav1.Condition).",
         {
-            "type": _str("Ready, Progressing or Degraded."),
+            "type": _str("Ready, Progressing or Degraded.", maxLength=316),
             "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-            "reason": _str("CamelCase reason."),
-            "message": _str("Human-readable detail."),
+            "reason": _str(
+                "CamelCase reason.", minLength=1, maxLength=1024, pattern=CONDITION_REASON_PATTERN
+            ),
+            "message": _str("Human-readable detail.", maxLength=CONDITION_MESSAGE_MAX),
             "lastTransitionTime": _str("When status last changed.", format="date-time"),
-            "observedGeneration": _int("The generation this condition was computed for."),
+            "observedGeneration": _int("The generation the condition describes.", minimum=0),
         },
-        required=["type", "status"],
+        required=["type", "status", "reason", "lastTransitionTime"],
     )
 
 
@@ -286,6 +298,7 @@ def status_schema() -> dict:
             "ranksTotal": _int("Daemon ranks on this node."),
             "ready": _bool("Whether the node's agent pod is Ready."),
             "pod": _str("The agent pod on this node."),
+            "restarts": _int("Container restarts of that pod (a restart restarts the group)."),
         },
     )
     return _obj(
@@ -308,6 +321,11 @@ def status_schema() -> dict:
             "readyNodes": _int("Placed nodes whose agent pod is Ready."),
             "nodes": {"type": "array", "description": "Placed nodes by rank.", "items": node_entry},
             "message": _str("The latest problem, if any, in one line."),
+            "podSecurity": _str(
+                "The Pod Security level the namespace enforces "
+                "(pod-security.kubernetes.io/enforce), when it is not privileged: agents and "
+                "engine pods with the injected socket mount need privileged (hostPath)."
+            ),
         },
     )
 
@@ -328,10 +346,16 @@ def crd() -> dict:
         **{
             "x-kubernetes-validations": [
                 {
-                    "rule": "size(self.metadata.name) <= 63",
-                    "message": "the name must be at most 63 characters (it becomes a node label "
-                    "name)",
-                }
+                    "rule": f"size(self.metadata.name) <= {S.MAX_NAME_LENGTH}",
+                    "message": f"the name must be at most {S.MAX_NAME_LENGTH} characters: "
+                    "<name>-rendezvous names a Service, and Service names have at most 63",
+                },
+                {
+                    "rule": f"self.metadata.name.matches('{S.NAME_PATTERN}')",
+                    "message": "the name must start with a lowercase letter and hold only "
+                    "lowercase letters, digits and '-': <name>-rendezvous names a Service, and "
+                    "Service names are DNS-1035 labels",
+                },
             ]
         },
     )

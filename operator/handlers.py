@@ -9,6 +9,11 @@ Shape of the machinery:
   every `resync` seconds; a per-cache lock serialises reconciliations.
 - reconciling = validate -> place -> apply the plan ConfigMap, rendezvous Service and agent
   DaemonSet -> label agent pods with their node rank -> status, events, node labels.
+- every failure to converge is visible: a write the API server rejects, agent pods the
+  DaemonSet controller cannot create (FailedCreate events) and a namespace whose Pod Security
+  level refuses agents all give phase Failed with the reason and the server's message in the
+  conditions, and a Warning event. Objects created in a pass that then fails are deleted again,
+  so no half-built group is left behind.
 - deletion: kopf's finalizer holds the object until the owned objects and node labels are gone.
 """
 
@@ -25,14 +30,14 @@ from typing import Any
 import kopf
 
 from weightcache import constants as C
-from weightcache.operator import agentstatus, events
+from weightcache.operator import agentstatus, alignment_events, events, podsecurity
 from weightcache.operator import nodes as node_labels
 from weightcache.operator import resources as R
 from weightcache.operator import status as S
 from weightcache.operator.kube import ApiError, Kube, login, path
 from weightcache.operator.metrics import OperatorMetrics
 from weightcache.operator.placement import NodeInfo, place, ranks_per_node
-from weightcache.operator.spec import layout, validate, with_defaults
+from weightcache.operator.spec import layout, name_problems, validate, with_defaults
 
 registry = kopf.OperatorRegistry()
 EVENT_SOURCE = "weightcache-operator"
@@ -76,6 +81,23 @@ class PodInfo:
         )
 
 
+class ApplyError(Exception):
+    """The API server refused a write of an owned object (the group is not applied)."""
+
+    def __init__(self, kind: str, name: str, error: ApiError) -> None:
+        super().__init__(f"{kind} {name} was not applied: {error}")
+        self.error = error
+        # 5xx, throttling and timeouts pass; anything else needs a change to the spec,
+        # the cluster's policies or the operator.
+        self.transient = error.status >= 500 or error.status == 429
+        if error.status in (400, 422):
+            self.reason = "ApplyRejected"
+        elif error.status == 403:
+            self.reason = "Forbidden"
+        else:
+            self.reason = "ApplyFailed"
+
+
 @dataclass
 class Options:
     """Operator-wide options (from `weightcache operator` flags)."""
@@ -98,6 +120,8 @@ class Controller:
     locks: dict[CacheKey, asyncio.Lock] = field(default_factory=dict)
     triggers: dict[CacheKey, asyncio.Event] = field(default_factory=dict)
     statuses: dict[CacheKey, dict[str, Any]] = field(default_factory=dict)
+    # Per cache: agent address -> the last alignment miss already posted as an event.
+    alignment_seen: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     ranks: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     phases: dict[CacheKey, str] = field(default_factory=dict)
     node_summaries: dict[str, tuple] = field(default_factory=dict)
@@ -112,7 +136,8 @@ class Controller:
                 event.set()
 
     def forget(self, key: CacheKey) -> None:
-        for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks):
+        for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks,
+                      self.alignment_seen):
             table.pop(key, None)
         self.metrics.set_phases(Counter(self.phases.values()))
 
@@ -161,7 +186,7 @@ class Controller:
         labels_by_node = {info.name: info.labels for info in fleet}
 
         spec = with_defaults(dict(body.get("spec") or {}), namespace, name)
-        problems = validate(spec)
+        problems = name_problems(name) + validate(spec)
         if problems:
             # Nothing is created or changed for a spec that cannot be placed: a previous
             # valid group keeps serving, and no half-built group appears.
@@ -196,8 +221,8 @@ class Controller:
         elif result.replaced:
             epoch += 1
             message = (
-                f"re-placed the group on {', '.join(result.nodes)} (lost "
-                f"{', '.join(result.replaced)}); restarting all members with epoch {epoch}"
+                f"re-placed the group on {S.node_list(result.nodes)} (lost "
+                f"{S.node_list(result.replaced)}); restarting all members with epoch {epoch}"
             )
             await self.event(body, "Warning", "Replaced", message)
             logger.warning(message)
@@ -211,11 +236,30 @@ class Controller:
 
         doc = R.plan(body, spec, lay, result.nodes, epoch)
         digest = R.plan_hash(doc)
-        await self._apply(R.configmap(body, doc), "v1", "configmaps")
-        await self._apply(R.service(body, spec), "v1", "services")
-        await self._apply(
-            R.daemonset(body, spec, doc, result.nodes, self.options.agent), "apps/v1", "daemonsets"
-        )
+        level = await self._pod_security_level(namespace)
+        try:
+            await self._apply_group(
+                [
+                    (R.configmap(body, doc), "v1", "configmaps"),
+                    (R.service(body, spec), "v1", "services"),
+                    (
+                        R.daemonset(body, spec, doc, result.nodes, self.options.agent),
+                        "apps/v1",
+                        "daemonsets",
+                    ),
+                ]
+            )
+        except ApplyError as exc:
+            new = S.failed(
+                previous, reason=exc.reason, message=str(exc), generation=generation
+            )
+            new["nodes"] = previous.get("nodes") or []
+            new["epoch"] = previous.get("epoch", 0)
+            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
+            logger.error("%s", exc)
+            if exc.transient:
+                raise  # retried with backoff
+            return "Failed"
         ranks = {node: rank for rank, node in enumerate(result.nodes)}
         self.ranks[key] = ranks
         await self._label_pods(namespace, pods, ranks)
@@ -243,21 +287,44 @@ class Controller:
                 for pod in current.values()
                 if pod.ready and pod.ip
             ]
-            cached = (
-                await agentstatus.group_bytes(addresses, self.options.agent_status_timeout_s)
+            cached, misses = (
+                await agentstatus.group_status(addresses, self.options.agent_status_timeout_s)
                 if addresses
-                else 0
+                else (0, {})
             )
+            seen = self.alignment_seen.setdefault(key, {})
+            await self.post_events(
+                alignment_events.events_for(seen, body["metadata"], misses, EVENT_SOURCE))
+            for gone in set(seen) - set(addresses):
+                del seen[gone]
         else:
             cached = None
-        new = S.observed(
-            previous,
-            nodes=states,
-            pods_seen=sum(1 for pod in pods if pod.node in ranks),
-            epoch=epoch,
-            generation=generation,
-            bytes_cached=cached,
+        pods_seen = sum(1 for pod in pods if pod.node in ranks)
+        blocked = (
+            await self._pods_blocked(namespace, name, level, spec["runtime"])
+            if pods_seen == 0
+            else None
         )
+        if blocked is not None:
+            new = S.failed(
+                previous,
+                reason=blocked[0],
+                message=blocked[1],
+                generation=generation,
+                nodes=states,
+                epoch=epoch,
+            )
+        else:
+            new = S.observed(
+                previous,
+                nodes=states,
+                pods_seen=pods_seen,
+                epoch=epoch,
+                generation=generation,
+                bytes_cached=cached,
+            )
+        # The webhook warns engine pods from this; null removes a stale value (merge patch).
+        new["podSecurity"] = level if level != podsecurity.PRIVILEGED else None
         ready_nodes = list(ranks) if new["phase"] == "Ready" else []
         await self._finish(body, key, previous, new, labels_by_node, ready_nodes=ready_nodes)
         return new["phase"]
@@ -284,8 +351,33 @@ class Controller:
                 return True
         return False
 
-    async def _apply(self, desired: dict[str, Any], api_version: str, plural: str) -> None:
-        """Create the object, or merge-patch it when it drifted from `desired`."""
+    async def _apply_group(self, objects: list[tuple[dict[str, Any], str, str]]) -> None:
+        """Apply the owned objects in order; on a failure delete those this pass created.
+
+        A group is usable only whole (agents read the ConfigMap, rendezvous through the
+        Service), so a rejected Service must not leave a fresh ConfigMap behind. Objects that
+        existed before keep their last accepted state.
+        """
+        assert self.kube is not None
+        created: list[str] = []
+        for desired, api_version, plural in objects:
+            meta = desired["metadata"]
+            url = path(api_version, plural, meta["namespace"], meta["name"])
+            try:
+                if await self._apply(desired, api_version, plural):
+                    created.append(url)
+            except ApiError as exc:
+                for done in reversed(created):
+                    try:
+                        await self.kube.delete(done)
+                    except ApiError as cleanup:
+                        logging.getLogger(__name__).warning(
+                            "cannot roll back %s: %s", done, cleanup
+                        )
+                raise ApplyError(desired["kind"], meta["name"], exc) from exc
+
+    async def _apply(self, desired: dict[str, Any], api_version: str, plural: str) -> bool:
+        """Create the object, or merge-patch it when it drifted from `desired` (True: created)."""
         assert self.kube is not None
         meta = desired["metadata"]
         url = path(api_version, plural, meta["namespace"], meta["name"])
@@ -293,7 +385,7 @@ class Controller:
         if actual is None:
             try:
                 await self.kube.create(path(api_version, plural, meta["namespace"]), desired)
-                return
+                return True
             except ApiError as exc:
                 if exc.status != 409:
                     raise
@@ -301,6 +393,53 @@ class Controller:
         wanted = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
         if not R.contains(actual, wanted):
             await self.kube.patch(url, wanted)
+        return False
+
+    async def _pod_security_level(self, namespace: str) -> str:
+        """The Pod Security level the namespace enforces; `privileged` when it cannot be read."""
+        assert self.kube is not None
+        try:
+            ns = await self.kube.get(path("v1", "namespaces", name=namespace))
+        except (ApiError, OSError, TimeoutError) as exc:
+            logging.getLogger(__name__).debug("cannot read namespace %s: %s", namespace, exc)
+            return podsecurity.PRIVILEGED
+        return podsecurity.enforced_level(ns)
+
+    async def _pods_blocked(
+        self, namespace: str, name: str, level: str, runtime: str
+    ) -> tuple[str, str] | None:
+        """(reason, message) when agent pods cannot be created, or None.
+
+        The DaemonSet controller reports a refused pod only as a `FailedCreate` Event on the
+        DaemonSet (its status has no condition for it); the namespace's Pod Security label
+        predicts the refusal before the first attempt.
+        """
+        assert self.kube is not None
+        ds = C.agent_daemonset_name(name)
+        try:
+            found = await self.kube.list(
+                path("v1", "events", namespace),
+                fieldSelector=f"involvedObject.kind=DaemonSet,involvedObject.name={ds},"
+                "reason=FailedCreate",
+            )
+        except (ApiError, OSError, TimeoutError) as exc:
+            logging.getLogger(__name__).debug("cannot list events of %s: %s", ds, exc)
+            found = []
+        failures = [
+            e
+            for e in found
+            if (e.get("involvedObject") or {}).get("name") == ds
+            and (e.get("involvedObject") or {}).get("kind") == "DaemonSet"
+            and e.get("reason") == "FailedCreate"
+        ]
+        if failures:
+            latest = max(failures, key=lambda e: str(e.get("lastTimestamp") or ""))
+            message = str(latest.get("message") or "")
+            reason = "PodSecurity" if podsecurity.is_denial(message) else "FailedCreate"
+            return reason, f"agent pods are not created: DaemonSet {ds}: {message}"
+        if level != podsecurity.PRIVILEGED:
+            return "PodSecurity", podsecurity.blocked_message(namespace, level, runtime)
+        return None
 
     async def _label_pods(self, namespace: str, pods: list[PodInfo], ranks: Mapping[str, int]):
         """Give each agent pod its node-rank label (the rendezvous Service selects rank 0)."""
@@ -342,6 +481,16 @@ class Controller:
                 await self.event(body, *event)
         self.statuses[key] = new
 
+    async def post_events(self, bodies: list[dict[str, Any]]) -> None:
+        """Post ready-made core/v1 Events (best effort, like `event`)."""
+        assert self.kube is not None
+        for event in bodies:
+            try:
+                await self.kube.create(events.events_path(event["metadata"]["namespace"]), event)
+            except (TimeoutError, ApiError, OSError) as exc:
+                logging.getLogger(__name__).warning("event %s not posted: %s",
+                                                    event["reason"], exc)
+
     async def event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         """Post a core/v1 Event about the cache (best effort: a lost event is only logged)."""
         assert self.kube is not None
@@ -350,10 +499,7 @@ class Controller:
             events.cache_ref(meta), type_=kind, reason=reason, message=message,
             component=EVENT_SOURCE,
         )
-        try:
-            await self.kube.create(events.events_path(meta["namespace"]), event)
-        except (TimeoutError, ApiError, OSError) as exc:
-            logging.getLogger(__name__).warning("event %s not posted: %s", reason, exc)
+        await self.post_events([event])
 
     async def cleanup(self, body: Mapping[str, Any], nodes_index: Mapping[str, Any]) -> None:
         """Delete owned objects (ownerReferences would too, but not before the finalizer

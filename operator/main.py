@@ -19,7 +19,7 @@ import kopf
 
 from weightcache.operator import handlers
 from weightcache.operator.metrics import serve as serve_metrics
-from weightcache.operator.resources import DEFAULT_AGENT_IMAGE, AgentOptions
+from weightcache.operator.resources import DEFAULT_AGENT_IMAGE, DEFAULT_AGENT_REQUESTS, AgentOptions
 
 logger = logging.getLogger("weightcache.operator")
 
@@ -70,6 +70,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-image-pull-policy", default="IfNotPresent")
     p.add_argument("--agent-runtime-class", default=None, help="RuntimeClass of GPU agent pods")
     p.add_argument("--agent-service-account", default=None, help="ServiceAccount of agent pods")
+    p.add_argument(
+        "--agent-priority-class",
+        default=None,
+        help="PriorityClass of agent pods (a cache's spec.placement.priorityClassName wins)",
+    )
+    p.add_argument(
+        "--agent-cpu-request",
+        default=DEFAULT_AGENT_REQUESTS["cpu"],
+        help="CPU request of agent containers without spec.resources.requests.cpu ('' for none)",
+    )
+    p.add_argument(
+        "--agent-memory-request",
+        default=DEFAULT_AGENT_REQUESTS["memory"],
+        help="memory request of agent containers without spec.resources.requests.memory",
+    )
     p.add_argument("--resync-seconds", type=float, default=30.0, help="periodic reconcile")
     p.add_argument(
         "--no-agent-status",
@@ -95,6 +110,15 @@ def options_from_args(args: argparse.Namespace) -> handlers.Options:
             image_pull_policy=args.agent_image_pull_policy,
             runtime_class=args.agent_runtime_class,
             service_account=args.agent_service_account,
+            priority_class=args.agent_priority_class or None,
+            requests={
+                key: value
+                for key, value in (
+                    ("cpu", args.agent_cpu_request),
+                    ("memory", args.agent_memory_request),
+                )
+                if value
+            },
         ),
         resync_s=args.resync_seconds,
         agent_status=not args.no_agent_status,

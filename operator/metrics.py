@@ -15,7 +15,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-PHASES = ("Pending", "Placing", "Loading", "Ready", "Degraded", "Invalid", "Unschedulable")
+PHASES = (
+    "Pending", "Placing", "Loading", "Ready", "Degraded", "Invalid", "Unschedulable", "Failed"
+)
 
 
 class OperatorMetrics:

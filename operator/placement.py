@@ -22,17 +22,20 @@ from weightcache.operator.spec import Parallelism
 
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 GPU_COUNT_LABELS = ("nvidia.com/gpu.count", "amd.com/gpu.count")
-# Taints the DaemonSet controller tolerates by itself (it adds these tolerations to every
-# DaemonSet pod); readiness and cordoning are judged from the node's own fields instead.
+# Tolerations the DaemonSet controller adds to every DaemonSet pod, as (key, effect)
+# (kubernetes/kubernetes pkg/controller/daemon/util/daemonset_util.go,
+# AddOrUpdateDaemonPodTolerations): not-ready and unreachable for NoExecute only (a
+# `node.kubernetes.io/not-ready:NoSchedule` taint still blocks), the node-condition taints
+# for NoSchedule, and network-unavailable only for hostNetwork pods, which agents are not.
+# Readiness and cordoning are also judged from the node's own fields.
 DAEMONSET_TOLERATED = frozenset(
     {
-        "node.kubernetes.io/not-ready",
-        "node.kubernetes.io/unreachable",
-        "node.kubernetes.io/disk-pressure",
-        "node.kubernetes.io/memory-pressure",
-        "node.kubernetes.io/pid-pressure",
-        "node.kubernetes.io/unschedulable",
-        "node.kubernetes.io/network-unavailable",
+        ("node.kubernetes.io/not-ready", "NoExecute"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+        ("node.kubernetes.io/disk-pressure", "NoSchedule"),
+        ("node.kubernetes.io/memory-pressure", "NoSchedule"),
+        ("node.kubernetes.io/pid-pressure", "NoSchedule"),
+        ("node.kubernetes.io/unschedulable", "NoSchedule"),
     }
 )
 
@@ -117,7 +120,7 @@ def _taints_tolerated(taints: Iterable[Mapping[str, Any]], tolerations: list[dic
     for taint in taints:
         if taint.get("effect") not in ("NoSchedule", "NoExecute"):
             continue
-        if taint.get("key") in DAEMONSET_TOLERATED:
+        if (taint.get("key"), taint.get("effect")) in DAEMONSET_TOLERATED:
             continue
         if not any(_tolerates(tol, taint) for tol in tolerations):
             return False

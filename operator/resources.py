@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
 from weightcache import __version__
@@ -31,6 +32,10 @@ PLAN_MOUNT_DIR = "/etc/weightcache"
 AGENT_LIB_DIR = "/opt/weightcache"
 DEFAULT_AGENT_IMAGE = f"weightcache/agent:{__version__}"
 GPU_RESOURCE_PREFIXES = ("nvidia.com/", "amd.com/")
+# Agent containers without requests would be BestEffort: the first pods evicted under node
+# pressure, although they hold every GPU's weights. Requests only, never a memory limit: the
+# daemons' host memory grows with the checkpoint (native CPU caches hold it all).
+DEFAULT_AGENT_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
 # Copies the agent's Python packages out of the agent image into a shared volume, so that
 # runtime `vllm` runs the agent inside the engines' own vLLM image (the agent image's Python
 # minor version must match the vLLM image's, since grpc has a compiled extension).
@@ -64,6 +69,8 @@ class AgentOptions:
     image_pull_policy: str = "IfNotPresent"
     runtime_class: str | None = None
     service_account: str | None = None
+    priority_class: str | None = None
+    requests: Mapping[str, str] = dc_field(default_factory=lambda: dict(DEFAULT_AGENT_REQUESTS))
 
 
 def labels(name: str) -> dict[str, str]:
@@ -167,21 +174,50 @@ def service(cache: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]
 
 
 def _pinned_affinity(user: Mapping[str, Any] | None, nodes: Sequence[str]) -> dict[str, Any]:
-    """The user's affinity with every required node term narrowed to exactly `nodes`."""
+    """The user's affinity with every required node term narrowed to exactly `nodes`.
+
+    The API server takes ONE value per `matchFields` requirement with `In`/`NotIn`
+    (validation.go, validateNodeFieldSelectorRequirement), so each node gets its own term:
+    every user term is crossed with every node (terms are ORed, requirements ANDed), which
+    keeps the user's requirements and pins to the union of the nodes.
+    """
     affinity = json.loads(json.dumps(user or {}))
     node_aff = affinity.setdefault("nodeAffinity", {})
     required = node_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    pin = {"key": "metadata.name", "operator": "In", "values": sorted(nodes)}
-    terms = required.get("nodeSelectorTerms") or [{}]
-    for term in terms:
-        fields = [f for f in term.get("matchFields") or [] if f.get("key") != "metadata.name"]
-        term["matchFields"] = [*fields, pin]
+    user_terms = required.get("nodeSelectorTerms") or [{}]
+    terms = []
+    for node in sorted(nodes):
+        for user_term in user_terms:
+            term = json.loads(json.dumps(user_term))
+            fields = [f for f in term.get("matchFields") or [] if f.get("key") != "metadata.name"]
+            pin = {"key": "metadata.name", "operator": "In", "values": [node]}
+            term["matchFields"] = [*fields, pin]
+            terms.append(term)
     required["nodeSelectorTerms"] = terms
     return affinity
 
 
-def _agent_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The user's resources without GPU requests: the device plugin would hand them out once."""
+def pinned_nodes(pod_spec: Mapping[str, Any]) -> list[str]:
+    """The node names a pod spec built by `daemonset` is pinned to (one per matchFields term)."""
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    names: list[str] = []
+    for term in required.get("nodeSelectorTerms") or []:
+        for req in term.get("matchFields") or []:
+            if req.get("key") == "metadata.name" and req.get("operator") == "In":
+                names += [v for v in req.get("values") or [] if v not in names]
+    return names
+
+
+def _agent_resources(
+    resources: Mapping[str, Any] | None, defaults: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The user's resources without GPU requests: the device plugin would hand them out once.
+
+    `defaults` fill requests the user left out, unless a limit is set for that resource (the
+    API server demands request <= limit, and a request defaults to its limit anyway).
+    """
     out: dict[str, Any] = {}
     for kind in ("requests", "limits"):
         values = {
@@ -191,6 +227,10 @@ def _agent_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
         }
         if values:
             out[kind] = values
+    limits = out.get("limits") or {}
+    extra = {k: v for k, v in (defaults or {}).items() if k not in limits}
+    if extra:
+        out["requests"] = {**extra, **(out.get("requests") or {})}
     return out
 
 
@@ -322,7 +362,7 @@ def daemonset(
             "periodSeconds": 20,
             "failureThreshold": 6,
         },
-        "resources": _agent_resources(spec.get("resources")),
+        "resources": _agent_resources(spec.get("resources"), options.requests),
         "securityContext": restricted,
         "volumeMounts": mounts,
     }
@@ -348,8 +388,8 @@ def daemonset(
     }
     if placement.get("nodeSelector"):
         pod_spec["nodeSelector"] = dict(placement["nodeSelector"])
-    if placement.get("priorityClassName"):
-        pod_spec["priorityClassName"] = placement["priorityClassName"]
+    if placement.get("priorityClassName") or options.priority_class:
+        pod_spec["priorityClassName"] = placement.get("priorityClassName") or options.priority_class
     if options.runtime_class and needs_gpus(spec):
         pod_spec["runtimeClassName"] = options.runtime_class
     if options.service_account:

@@ -15,9 +15,23 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from weightcache import constants as C
 from weightcache.constants import DEFAULT_PLAN_PATH, DEFAULT_PORTS, default_socket_dir
 from weightcache.contracts.vocabulary import DEVICES, MODES, RUNTIMES
 
+# Every object a cache owns is named `<name><suffix>`, and each of those names must itself be
+# valid: the rendezvous Service's name is a DNS-1035 label (at most 63 characters, starting
+# with a letter: pkg/apis/core/validation ValidateServiceName = NameIsDNS1035Label on
+# Kubernetes <= 1.35), so the cache's own name must leave room for the longest suffix.
+DERIVED_NAMES = (C.agent_daemonset_name, C.rendezvous_service_name, C.placement_configmap_name)
+MAX_NAME_LENGTH = 63 - max(len(derive("")) for derive in DERIVED_NAMES)
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RE = re.compile(NAME_PATTERN)
+# Bounds that keep every owned object within the API server's limits: the plan ConfigMap
+# under 1 MiB and the DaemonSet (one node-affinity term per node) far under etcd's 1.5 MiB
+# request limit, even with 253-character node names (tests/operator/test_apirules.py).
+MAX_NODES = 256
+MAX_GPUS_PER_NODE = 64
 DEFAULT_MOUNT_PATH = "/models"
 DEFAULT_RUN_AS = {"uid": 1000, "gid": 1000}
 DEFAULT_ENGINE = {
@@ -200,6 +214,30 @@ def parse_image(image: str) -> dict[str, str | None] | None:
     """Split an image reference into domain, path, tag and digest; None if malformed."""
     match = IMAGE_RE.match(image)
     return match.groupdict() if match else None
+
+
+def name_problems(name: str) -> list[Problem]:
+    """Problems of a cache's name: every derived object name must be a valid Service name."""
+    problems = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(
+            Problem(
+                "metadata.name",
+                f"is {len(name)} characters; at most {MAX_NAME_LENGTH} are allowed so that "
+                f"{C.rendezvous_service_name(name)!r} fits the 63-character limit of a Service "
+                "name",
+            )
+        )
+    if not NAME_RE.match(name):
+        problems.append(
+            Problem(
+                "metadata.name",
+                f"{name!r} must start with a lowercase letter and hold only lowercase letters, "
+                "digits and '-' (ending with a letter or digit): it names a Service, and "
+                "Service names are DNS-1035 labels",
+            )
+        )
+    return problems
 
 
 def validate(spec: dict) -> list[Problem]:

@@ -16,6 +16,14 @@ from weightcache.operator.spec import Problem
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
+NODES_NAMED = 8  # messages name this many nodes, then count the rest
+
+
+def node_list(names: Sequence[str]) -> str:
+    """Names for a message: a 256-node group must not make a message of 65 000 characters."""
+    shown = ", ".join(names[:NODES_NAMED])
+    return shown if len(names) <= NODES_NAMED else f"{shown} and {len(names) - NODES_NAMED} more"
 
 
 def now() -> str:
@@ -68,7 +76,7 @@ def conditions(
             "type": kind,
             "status": status,
             "reason": cond.reason,
-            "message": cond.message,
+            "message": cond.message[:MAX_MESSAGE],
             "lastTransitionTime": prev.get("lastTransitionTime")
             if prev.get("status") == status
             else now(),
@@ -102,7 +110,7 @@ def build(
         "readyNodes": sum(1 for n in nodes if n.ready),
         "nodes": [n.as_status() for n in nodes],
         "bytesCached": previous.get("bytesCached", 0) if bytes_cached is None else bytes_cached,
-        "message": message,
+        "message": message[:MAX_MESSAGE],
     }
     if generation is not None:
         status["observedGeneration"] = generation
@@ -180,7 +188,7 @@ def observed(
             DEGRADED: Cond(False, "AsExpected"),
         }
     elif was_ready:
-        missing = ", ".join(n.node for n in nodes if not n.ready)
+        missing = node_list([n.node for n in nodes if not n.ready])
         message = f"{ranks} ranks ready; not ready on {missing}"
         phase = "Degraded"
         wanted = {
@@ -190,7 +198,7 @@ def observed(
         }
     elif pods_seen == 0:
         phase = "Placing"
-        message = f"placed on {', '.join(n.node for n in nodes)}; waiting for agent pods"
+        message = f"placed on {node_list([n.node for n in nodes])}; waiting for agent pods"
         wanted = {
             READY: Cond(False, "Placing", message),
             PROGRESSING: Cond(True, "Placing", message),
@@ -216,6 +224,36 @@ def observed(
     )
 
 
+def failed(
+    previous: Mapping[str, Any],
+    *,
+    reason: str,
+    message: str,
+    generation: int | None,
+    nodes: Sequence[NodeState] = (),
+    epoch: int | None = None,
+) -> dict[str, Any]:
+    """The operator cannot converge: the API server rejected a write, pods are not created.
+
+    `reason` is a condition reason (ApplyRejected, ApplyFailed, FailedCreate, PodSecurity);
+    `message` says what the server said, so `kubectl get wc` shows the cause.
+    """
+    message = message[:MAX_MESSAGE]
+    return build(
+        previous,
+        phase="Failed",
+        wanted={
+            READY: Cond(False, reason, message),
+            PROGRESSING: Cond(False, reason, message),
+            DEGRADED: Cond(True, reason, message),
+        },
+        generation=generation,
+        epoch=epoch,
+        nodes=nodes,
+        message=message,
+    )
+
+
 # phase -> (event type, reason) posted when a cache enters the phase.
 PHASE_EVENTS = {
     "Placing": ("Normal", "Placed"),
@@ -224,6 +262,7 @@ PHASE_EVENTS = {
     "Degraded": ("Warning", "Degraded"),
     "Invalid": ("Warning", "InvalidSpec"),
     "Unschedulable": ("Warning", "Unschedulable"),
+    "Failed": ("Warning", "Failed"),  # the event takes the Ready condition's reason
 }
 
 
@@ -233,12 +272,14 @@ def transition_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[st
     if phase not in PHASE_EVENTS:
         return None
     changed = old.get("phase") != phase
-    if phase in ("Invalid", "Unschedulable") and old.get("message") != new.get("message"):
+    if phase in ("Invalid", "Unschedulable", "Failed") and old.get("message") != new.get("message"):
         changed = True
     if not changed:
         return None
     kind, reason = PHASE_EVENTS[phase]
     ready = next((c for c in new.get("conditions", []) if c["type"] == READY), {})
+    if phase == "Failed":
+        reason = ready.get("reason") or reason
     message = new.get("message") or ready.get("message") or phase
     return kind, reason, message
 

@@ -23,7 +23,7 @@ import kopf
 
 from weightcache import constants as C
 from weightcache.operator import events
-from weightcache.operator.admission import keeper, metrics, mutate, validate
+from weightcache.operator.admission import keeper, metrics, mutate, podsecurity, validate
 from weightcache.operator.admission.config import (
     INDEX_ID,
     MUTATE_ID,
@@ -54,6 +54,7 @@ class IndexedCache:
     view: mutate.CacheView
     ref: dict[str, str]
     at: float = field(default_factory=time.monotonic)  # when this copy was read
+    pod_security: str | None = None  # status.podSecurity: the level the namespace enforces
 
 
 @dataclass
@@ -81,6 +82,7 @@ def _indexed(body: Any) -> IndexedCache:
     return IndexedCache(
         view=mutate.CacheView.from_object(raw),
         ref=events.cache_ref(meta),
+        pod_security=raw["status"].get("podSecurity"),
     )
 
 
@@ -228,6 +230,12 @@ def register(
                 result = "denied"
                 raise kopf.AdmissionError(str(exc), code=403) from None
             warnings.extend(res.warnings)
+            if cache is not None:
+                warnings.extend(
+                    podsecurity.engine_warnings(
+                        cache.pod_security, cache.view.runtime, cache.view.namespace
+                    )
+                )
             if cache is None:
                 result = "unknown_cache"
             elif res.ops:

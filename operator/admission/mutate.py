@@ -30,6 +30,7 @@ import jsonpatch
 
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, READY_VALUE
+from weightcache.operator.admission.alignment import inject_alignment
 from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
 
 SOCKET_VOLUME = "weightcache-sockets"
@@ -671,6 +672,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
         )
     else:
         _inject_flags(container, argv, cache, mode, fallback, res)
+        inject_alignment(container, argv.tokens, cache, res)
     _check_mismatches(container, argv, cache, res)
     _inject_mount(spec, container, cache)
     _inject_identity(spec, container, cache, res)

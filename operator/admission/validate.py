@@ -2,7 +2,15 @@
 
 The semantic rules live in `weightcache.operator.spec.validate`, shared with the operator
 (which reports them as an Invalid condition); this module adds what only an admission
-review can see: the old object on update. Every denial names the field and the fix.
+review can see: the old object on update, and the name (every derived object name must be
+valid). Every denial names the field and the fix.
+
+What is never denied: a validating webhook also sees every metadata-only UPDATE (kopf adding
+or removing its finalizer, an admin removing it by hand, labels, annotations) and, when its
+rules list the subresource, status writes. Re-validating the spec there would make a cache that
+became invalid while the webhook failed open undeletable (its finalizer could never be
+removed). So deletion, objects being deleted and every UPDATE that leaves `spec` unchanged are
+admitted unconditionally; only a spec change is judged.
 """
 
 from __future__ import annotations
@@ -44,17 +52,28 @@ def immutable_problems(
     return problems
 
 
+def spec_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    """Whether an UPDATE changes the spec (finalizer, metadata and status updates do not)."""
+    return old is None or (old.get("spec") or {}) != (new.get("spec") or {})
+
+
 def review(
     operation: str,
     new: dict[str, Any] | None,
     old: dict[str, Any] | None,
+    subresource: str | None = None,
 ) -> list[Problem]:
-    """All problems of one admission request for a WeightCache object."""
-    if operation not in {"CREATE", "UPDATE"} or new is None:
+    """All problems of one admission request for a WeightCache object (empty: admit)."""
+    if operation not in {"CREATE", "UPDATE"} or new is None or subresource:
         return []
     meta = new.get("metadata") or {}
+    if operation == "UPDATE" and (meta.get("deletionTimestamp") or not spec_changed(new, old)):
+        return []
     spec = new.get("spec") or {}
-    problems = list(specs.validate(spec))
+    problems = []
+    if operation == "CREATE" and meta.get("name"):  # names are immutable: judged once
+        problems += specs.name_problems(meta["name"])
+    problems += specs.validate(spec)
     if operation == "UPDATE" and old is not None:
         problems += immutable_problems(
             old.get("spec") or {}, spec, meta.get("namespace", "default"), meta.get("name", "")

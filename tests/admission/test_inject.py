@@ -484,3 +484,42 @@ def test_an_internal_failure_admits_the_pod_unchanged(webhook: LocalWebhook) -> 
     assert "patch" not in out
     assert out["warnings"][0].startswith("weightcache webhook failed (")
     assert REGISTRY.get_sample_value("weightcache_webhook_requests_total", labels) == errors + 1
+
+
+@pytest.mark.parametrize("runtime", ["native", "vllm"])
+def test_item6_injected_engines_need_privileged_for_both_runtimes(
+    webhook: LocalWebhook, runtime: str
+) -> None:
+    """Item 6: the injected hostPath socket mount breaks Pod Security baseline for both runtimes.
+
+    The pods are judged by the baseline checks of k8s.io/pod-security-admission (restated in
+    weightcache.testing.apirules); a cache whose namespace enforces baseline makes the webhook
+    say so in an admission warning.
+    """
+    from tests.admission.conftest import cache_obj
+    from weightcache.testing import apirules
+
+    cache = cache_obj(runtime=runtime)
+    cache["status"]["podSecurity"] = "baseline"
+    webhook.put_cache(cache)
+    name = cache["metadata"]["name"]
+    pod = pods.native_pod(name) if runtime == "native" else pods.deployment_pod(name)
+    before = apirules.pod_security_violations(pod["spec"], "baseline")
+    out, patched = admit(webhook, pod)
+    assert out["allowed"] is True
+    found = [v for v in apirules.pod_security_violations(patched["spec"], "baseline")
+             if v not in before]  # fmt: skip
+    assert f"hostPath volume {SOCKETS!r}" in found
+    assert ("hostIPC=true" in found) is (runtime == "vllm")
+    warning = next(w for w in out["warnings"] if "Pod Security" in w)
+    assert "enforces Pod Security level 'baseline'" in warning
+    assert "pod-security.kubernetes.io/enforce=privileged" in warning
+    assert ("hostIPC" in warning) is (runtime == "vllm")
+
+
+def test_no_pod_security_warning_in_privileged_namespaces(
+    webhook: LocalWebhook, make_cache: Any
+) -> None:
+    cache = make_cache(runtime="native")
+    out, _ = admit(webhook, pods.native_pod(cache["metadata"]["name"]))
+    assert not any("Pod Security" in w for w in out.get("warnings") or [])

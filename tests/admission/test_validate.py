@@ -205,3 +205,70 @@ def test_mutable_fields_update(webhook: LocalWebhook) -> None:
     new["spec"]["image"] = "vllm/vllm-openai:v0.32.0"
     new["spec"]["engine"] = {"mode": "copy"}
     assert verdict(webhook, new, old)["allowed"] is True
+
+
+def _invalid_cache(name: str) -> dict:
+    """A cache the webhook would deny on create (it got in while the webhook failed open)."""
+    obj = cache_obj(name=name)
+    obj["spec"]["parallelism"] = {"tensor": 3, "nodes": 2}  # 3 ranks cannot split over 2 nodes
+    return obj
+
+
+def test_item2_invalid_cache_is_denied_on_create(webhook: LocalWebhook) -> None:
+    assert "spec.parallelism" in denied(webhook, _invalid_cache("bad"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["add-finalizer", "remove-finalizer", "labels", "status", "deleting"],
+)
+def test_item2_metadata_finalizer_and_status_updates_are_always_admitted(
+    webhook: LocalWebhook, change: str
+) -> None:
+    """Item 2: an invalid cache can still get and lose its finalizer, so it can be deleted.
+
+    A validating webhook sees every UPDATE, kopf's finalizer patches and an admin's manual
+    finalizer removal included; denying them made such a cache undeletable.
+    """
+    old = _invalid_cache(f"fin-{change}")
+    new = copy.deepcopy(old)
+    meta = new["metadata"]
+    if change == "add-finalizer":
+        meta["finalizers"] = ["weightcache.io/finalizer"]
+    elif change == "remove-finalizer":
+        old["metadata"]["finalizers"] = ["weightcache.io/finalizer"]
+        meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"] = "2026-12-01T08:00:00Z"
+    elif change == "labels":
+        meta["labels"] = {"team": "ml"}
+    elif change == "status":
+        new["status"] = {"phase": "Invalid", "message": "spec.parallelism: ..."}
+    else:  # a spec change while the object is being deleted
+        meta["deletionTimestamp"] = "2026-12-01T08:00:00Z"
+        new["spec"]["model"]["path"] = "/models/other"
+    out = verdict(webhook, new, old)
+    assert out["allowed"] is True, out
+
+
+def test_item2_delete_is_admitted(webhook: LocalWebhook) -> None:
+    obj = _invalid_cache("del")
+    out = webhook.review(None, resource="weightcaches", operation="DELETE", old=obj)["response"]
+    assert out["allowed"] is True
+
+
+def test_item2_a_spec_change_of_an_invalid_cache_is_still_judged(webhook: LocalWebhook) -> None:
+    old = _invalid_cache("still")
+    new = copy.deepcopy(old)
+    new["spec"]["model"]["path"] = "/models/other"
+    assert "spec.parallelism" in denied(webhook, new, old)
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("l" * 53, "at most 52 are allowed"), ("7b-llama", "DNS-1035"), ("my.cache", "DNS-1035")],
+)
+def test_item3_names_whose_service_name_is_invalid_are_denied(
+    webhook: LocalWebhook, name: str, why: str
+) -> None:
+    msg = denied(webhook, cache_obj(name=name))
+    assert "metadata.name" in msg and why in msg
+    assert verdict(webhook, cache_obj(name="l" * 52))["allowed"] is True

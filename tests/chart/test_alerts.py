@@ -16,6 +16,7 @@ ALERTS = {
     "WeightCacheDegraded",
     "WeightCacheRankDown",
     "WeightCacheFallbackRateHigh",
+    "WeightCacheAlignmentMisses",
     "WeightCacheWebhookErrors",
     "WeightCacheWebhookCertificateExpiring",
 }

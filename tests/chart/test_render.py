@@ -179,10 +179,36 @@ def test_cert_manager_mode(default_docs):
     assert chart.one(rendered("production"), "Issuer")["spec"] == {"selfSigned": {}}
 
 
+def _x509_key_pair_ok(data: dict) -> bool:
+    """Go's tls.X509KeyPair on a Secret's tls.crt/tls.key: PEM certificate and matching key."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(base64.b64decode(data.get("tls.crt") or ""))
+        key = serialization.load_pem_private_key(
+            base64.b64decode(data.get("tls.key") or ""), password=None
+        )
+    except ValueError:
+        return False
+    return cert.public_key().public_numbers() == key.public_key().public_numbers()
+
+
 def test_self_managed_secret_is_rendered_empty_for_the_operator_to_fill(default_docs):
+    """Item 7: no `tls: failed to find any PEM data in certificate input` on install.
+
+    The API server warns on every create/update of a kubernetes.io/tls Secret whose tls.crt and
+    tls.key are not a key pair (pkg/registry/core/secret/strategy.go, warningsForSecret calls
+    tls.X509KeyPair); kubectl and helm print the warning. An empty placeholder must be Opaque.
+    """
     secret = chart.one(default_docs, "Secret")
-    assert secret["type"] == "kubernetes.io/tls"
     assert secret["data"] == {"tls.crt": "", "tls.key": ""}
+    assert secret["type"] == "Opaque"
+    for doc in chart.by_kind(default_docs, "Secret"):
+        if doc.get("type") == "kubernetes.io/tls":
+            assert _x509_key_pair_ok(doc.get("data") or {}), doc["metadata"]["name"]
     dep = chart.one(default_docs, "Deployment")
     assert (
         f"--webhook-secret={secret['metadata']['name']}"

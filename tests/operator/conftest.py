@@ -4,6 +4,11 @@ kmock has no controllers, so tests play the parts a cluster would: they create N
 act as the DaemonSet controller by creating agent pods on the nodes the DaemonSet is pinned
 to (`materialize`), then flip their Ready condition. kmock fills no uid, resourceVersion or
 generation and ignores label selectors; tests set uid/generation themselves.
+
+kmock also accepts objects a real API server rejects. `ApiGuard` closes that gap: every
+write the operator (or kopf) sends is checked against the API server's validation rules in
+`weightcache.testing.apirules` and answered with 422 like the real server would; the test
+fails at teardown when any write broke a rule, unless the test asked for the rejection.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp.web
+import jsonpatch
 import pytest
+from kmock._internal import enums
+from kmock._internal.k8s import KubernetesEmulator
 
 from weightcache import constants as C
-from weightcache.operator import handlers, main
-from weightcache.testing import emulator
+from weightcache.operator import crd, handlers, main
+from weightcache.testing import apirules, emulator
 
 NS = "default"
 CR_URL = f"/apis/{C.API_VERSION}/namespaces/{NS}/{C.PLURAL}"
@@ -92,7 +101,13 @@ class Cluster:
         terms = template["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"
         ]["nodeSelectorTerms"]
-        nodes = next(f["values"] for f in terms[0]["matchFields"] if f["key"] == "metadata.name")
+        nodes = [
+            value
+            for term in terms
+            for f in term.get("matchFields") or []
+            if f["key"] == "metadata.name"
+            for value in f["values"]
+        ]
         existing = {p["metadata"]["name"]: p for p in await self.agent_pods(name)}
         pods = []
         for node_name in nodes:
@@ -177,8 +192,94 @@ def write_kubeconfig(path: Any, server: str) -> None:
     emulator.write_kubeconfig(path, server, namespace="default")
 
 
+WC_SCHEMA = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+Rejecter = Callable[[str, dict], "str | None"]
+
+
+class ApiGuard:
+    """Judges every write not sent by the test itself, as the real API server's validation would.
+
+    `violations` collects what broke a rule (the test fails on them at teardown); `reject`
+    holds test-installed refusals `(method, object) -> message | None` that play a server
+    rejecting a valid object (an admission plugin, a quota), answered with 422 as well.
+    """
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.checked: list[tuple[str, str, str]] = []  # (method, kind/name, agent) judged
+        self.reject: list[Rejecter] = []
+        # Namespace objects by name: kmock cannot store Namespaces (it parses
+        # /api/v1/namespaces/<name> as a namespace prefix), so the guard serves them.
+        self.namespaces: dict[str, dict] = {}
+
+    def judge(self, emulator: Any, request: Any) -> str | None:
+        agent = str((request.headers or {}).get("User-Agent", ""))
+        if request.resource is None or agent.startswith("kmock/"):  # the test's own client
+            return None
+        if request.action == enums.action.CREATE:
+            obj = request.data or {}
+        elif request.action == enums.action.UPDATE and request.name is not None:
+            key = (request.resource, request.namespace, request.name)
+            if key not in emulator._objects or emulator._objects[key].deleted:
+                return None  # kmock answers 404 itself
+            stored = emulator._objects[key].raw
+            if isinstance(request.data, list):  # kopf's JSON patches (RFC 6902)
+                obj = jsonpatch.apply_patch(stored, request.data)
+            else:
+                obj = apirules.merge_patch(stored, request.data or {})
+        else:
+            return None
+        meta = obj.get("metadata") or {}
+        method = str(getattr(request.method, "value", request.method)).upper()
+        self.checked.append((method, f"{obj.get('kind')}/{meta.get('name')}", agent))
+        for rejecter in self.reject:
+            message = rejecter(method, obj)
+            if message:
+                return message
+        problems = apirules.check(obj, crd_schema=WC_SCHEMA)
+        if not problems:
+            return None
+        message = f"{obj.get('kind')} {meta.get('name')!r} is invalid: " + "; ".join(
+            str(p) for p in problems
+        )
+        self.violations.append(message)
+        return message
+
+
 @pytest.fixture
-async def cluster(kmock, tmp_path, monkeypatch) -> Cluster:
+def api_guard(monkeypatch) -> ApiGuard:
+    guard = ApiGuard()
+    original = KubernetesEmulator._handle
+
+    async def guarded(self: Any, request: Any) -> aiohttp.web.StreamResponse:
+        parts = request.url.path.strip("/").split("/")
+        namespace_get = parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 4
+        if namespace_get and request.method.value.upper() == "GET" and parts[3] in guard.namespaces:
+            return aiohttp.web.json_response(guard.namespaces[parts[3]])
+        message = guard.judge(self, request)
+        if message is None:
+            return await original(self, request)
+        return aiohttp.web.json_response(
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "message": message,
+                "reason": "Invalid",
+                "code": 422,
+            },
+            status=422,
+        )
+
+    monkeypatch.setattr(KubernetesEmulator, "_handle", guarded)
+    yield guard
+    assert not guard.violations, "writes a real API server rejects:\n" + "\n".join(
+        guard.violations
+    )
+
+
+@pytest.fixture
+async def cluster(kmock, api_guard, tmp_path, monkeypatch) -> Cluster:
     declare_api(kmock)
     kubeconfig = tmp_path / "kubeconfig"
     write_kubeconfig(kubeconfig, str(kmock.url).rstrip("/"))

@@ -9,7 +9,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from weightcache.operator import crd
+from weightcache import constants as C
+from weightcache.operator import crd, spec
+from weightcache.testing import apirules
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / crd.CRD_FILENAME
@@ -68,10 +70,47 @@ def test_openapi_schema_accepts_and_rejects(spec, ok):
 def test_cel_rules_present():
     text = COMMITTED.read_text()
     assert "!has(self.pipeline) || self.pipeline == 1" in text
-    assert "size(self.metadata.name) <= 63" in text
     assert "self.runtime != 'vllm' || has(self.image)" in text
 
 
 def test_cli_writes_the_file(tmp_path):
     assert crd.main(["--write", str(tmp_path)]) == 0
     assert (tmp_path / crd.CRD_FILENAME).read_text() == crd.render()
+
+
+def _root_rules() -> list[dict]:
+    schema = yaml.safe_load(COMMITTED.read_text())["spec"]["versions"][0]["schema"]
+    return schema["openAPIV3Schema"]["x-kubernetes-validations"]
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("llama", True),
+        ("a" * 52, True),  # + "-rendezvous" = 63, the Service name limit
+        ("a" * 53, False),
+        ("a" * 60, False),  # seen on a real API server: 422 for the Service
+        ("1llama", False),  # a Service name (DNS-1035 label) cannot start with a digit
+        ("my.cache", False),  # a valid object name, but not a valid Service name
+        ("llama-", False),
+    ],
+)
+def test_cel_name_rules_admit_only_names_whose_derived_names_are_valid(name, ok):
+    """Item 3: the CRD's CEL rules, evaluated by a CEL interpreter, match the apirules verdict.
+
+    The API server evaluates `x-kubernetes-validations` with CEL; cel-python evaluates the same
+    expressions here, and the derived names are judged by the Service/object name rules.
+    """
+    import celpy
+
+    env = celpy.Environment()
+    activation = {"self": celpy.json_to_cel({"metadata": {"name": name}, "spec": {}})}
+    programs = [env.program(env.compile(rule["rule"])) for rule in _root_rules()]
+    verdicts = [bool(program.evaluate(activation)) for program in programs]
+    assert all(verdicts) is ok
+    derived_ok = apirules.is_dns1123_subdomain(name) and apirules.is_dns1035_label(
+        C.rendezvous_service_name(name)
+    ) and all(
+        apirules.is_dns1123_subdomain(derive(name)) for derive in spec.DERIVED_NAMES
+    )
+    assert derived_ok is ok

@@ -68,8 +68,11 @@ async def test_create_builds_owned_objects(cluster, operator):
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostPID"] is True and pod["hostIPC"] is True  # stock vLLM IPC
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"][0]["matchFields"] == [
-        {"key": "metadata.name", "operator": "In", "values": ["gpu-a", "gpu-b"]}
+    # One term per node: the API server takes one value per matchFields requirement
+    # (validateNodeFieldSelectorRequirement); the api_guard fixture rejects anything else.
+    assert [t["matchFields"] for t in terms["nodeSelectorTerms"]] == [
+        [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}],
+        [{"key": "metadata.name", "operator": "In", "values": ["gpu-b"]}],
     ]
     agent = pod["containers"][0]
     assert agent["image"] == "vllm/vllm-openai:v0.31.0"

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 
 from weightcache.contracts.plan import Plan
+from weightcache.operator import resources as R
 from weightcache.operator.placement import NodeInfo, ineligible_reason, place
 from weightcache.operator.resources import plan
 from weightcache.operator.spec import layout, validate, with_defaults
+from weightcache.testing import apirules
 
 
 def _spec(**par) -> dict:
@@ -210,3 +212,41 @@ def test_cpu_device_needs_no_gpus():
     )
     lay = layout(spec)
     assert ineligible_reason(NodeInfo("cpu-node", gpus=0), spec, lay) is None
+
+
+TAINTS = [
+    ("node.kubernetes.io/not-ready", "NoExecute"),
+    ("node.kubernetes.io/not-ready", "NoSchedule"),  # seen: placed, real DESIRED 0
+    ("node.kubernetes.io/unreachable", "NoExecute"),
+    ("node.kubernetes.io/unreachable", "NoSchedule"),
+    ("node.kubernetes.io/network-unavailable", "NoSchedule"),  # hostNetwork pods only
+    ("node.kubernetes.io/disk-pressure", "NoSchedule"),
+    ("node.kubernetes.io/memory-pressure", "NoSchedule"),
+    ("node.kubernetes.io/pid-pressure", "NoSchedule"),
+    ("node.kubernetes.io/unschedulable", "NoSchedule"),
+    ("dedicated", "NoSchedule"),
+    ("dedicated", "PreferNoSchedule"),
+]
+
+
+@pytest.mark.parametrize(("key", "effect"), TAINTS, ids=[f"{k}:{e}" for k, e in TAINTS])
+def test_item5_placement_tolerates_exactly_what_the_daemonset_controller_adds(key, effect):
+    """Item 5: a node is eligible iff the real agent pod would tolerate its taint.
+
+    The agent pod's tolerations are the DaemonSet's plus those the DaemonSet controller adds
+    (AddOrUpdateDaemonPodTolerations: not-ready/unreachable NoExecute only, network-unavailable
+    only for hostNetwork pods, which agents are not), matched by ToleratesTaint.
+    """
+    spec = _spec(tensor=8)
+    lay = layout(spec)
+    cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
+    doc = R.plan(cache, spec, lay, ["n"], epoch=1)
+    pod = R.daemonset(cache, spec, doc, ["n"], R.AgentOptions())["spec"]["template"]["spec"]
+    assert not pod.get("hostNetwork")
+    real_pod = {
+        "tolerations": [*pod["tolerations"], *apirules.daemonset_controller_tolerations(False)]
+    }
+    taint = {"key": key, "value": "", "effect": effect}
+    node = NodeInfo("n", gpus=8, taints=(taint,))
+    eligible = ineligible_reason(node, spec, lay) is None
+    assert eligible is apirules.schedulable_despite([taint], real_pod)

@@ -76,13 +76,19 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
         options=R.AgentOptions(runtime_class="nvidia", service_account="agent"),
     )
     pod = ds["spec"]["template"]["spec"]
-    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1"}}
+    # The user's cpu request wins; the operator's default memory request fills the gap.
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "256Mi"}}
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    pin = {"key": "metadata.name", "operator": "In", "values": ["n0", "n1"]}
-    assert [t["matchFields"] for t in terms] == [[pin], [pin]]  # ANDed into every user term
-    assert terms[1]["matchExpressions"][0]["values"] == ["b"]
+
+    def pin(node: str) -> list[dict]:
+        return [{"key": "metadata.name", "operator": "In", "values": [node]}]
+
+    # Every user term crossed with every node: one matchFields value per term.
+    assert [t["matchFields"] for t in terms] == [pin("n0"), pin("n0"), pin("n1"), pin("n1")]
+    assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"], ["a"], ["b"]]
+    assert R.pinned_nodes(pod) == ["n0", "n1"]
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["runtimeClassName"] == "nvidia" and pod["serviceAccountName"] == "agent"

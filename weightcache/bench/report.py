@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "gpu": "weightcache.bench.gpu",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
+    "alignment": "weightcache.bench.alignment",
 }
 
 

@@ -3,6 +3,8 @@
 - `plan`: the placement plan the operator writes into the plan ConfigMap and the agent reads;
 - `ranks`: which global, tensor-parallel and data-parallel rank each device of a node serves;
 - `vocabulary`: dtypes, loader modes, model roles, exit codes;
+- `alignment`: which visible GPU each engine rank should use (the GPU map, and the code
+  engines run at start-up; standard library only, its source is published to engines);
 - `proto`: the agent's gRPC API (generated code, `make proto`).
 
 May import: the standard library and `weightcache.constants` only, so every side (operator,

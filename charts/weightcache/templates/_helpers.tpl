@@ -91,11 +91,36 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/* Namespaces whose agent pods get the NetworkPolicy. */}}
+{{/*
+Namespaces whose agent pods get the NetworkPolicy: agent.networkPolicy.namespaces when set;
+otherwise where caches live: operator.watchNamespaces, the namespaces of .Values.caches and the
+release namespace. NetworkPolicies are namespaced (no cluster-wide core policy), so when the
+operator watches all namespaces, list the cache namespaces in agent.networkPolicy.namespaces;
+NOTES.txt says so.
+*/}}
 {{- define "weightcache.agentNamespaces" -}}
 {{- if .Values.agent.networkPolicy.namespaces }}
-{{- toJson .Values.agent.networkPolicy.namespaces }}
+{{- toJson (.Values.agent.networkPolicy.namespaces | uniq) }}
 {{- else }}
-{{- toJson (list .Release.Namespace) }}
+{{- $found := list }}
+{{- range .Values.operator.watchNamespaces }}
+{{- $found = append $found . }}
+{{- end }}
+{{- range .Values.caches }}
+{{- $found = append $found (.namespace | default $.Release.Namespace) }}
+{{- end }}
+{{- if not .Values.operator.watchNamespaces }}
+{{- $found = append $found .Release.Namespace }}
+{{- end }}
+{{- toJson ($found | uniq) }}
+{{- end }}
+{{- end }}
+
+{{- define "weightcache.agentPriorityClassName" -}}
+{{- if .Values.agent.priorityClass.name }}
+{{- .Values.agent.priorityClass.name }}
+{{- else if .Values.agent.priorityClass.create }}
+{{- include "weightcache.fullname" . }}-agent
 {{- end }}
 {{- end }}
 

@@ -58,7 +58,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message")
+    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message", "alignment_misses")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class StatusResponse(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_MISSES_FIELD_NUMBER: _ClassVar[int]
     cache: str
     namespace: str
     node: str
@@ -85,7 +86,22 @@ class StatusResponse(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[Rank]
     version: str
     message: str
-    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    alignment_misses: _containers.RepeatedCompositeFieldContainer[AlignmentMiss]
+    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ..., alignment_misses: _Optional[_Iterable[_Union[AlignmentMiss, _Mapping]]] = ...) -> None: ...
+
+class AlignmentMiss(_message.Message):
+    __slots__ = ("seq", "pod", "result", "detail", "missed_ranks")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MISSED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pod: str
+    result: str
+    detail: str
+    missed_ranks: int
+    def __init__(self, seq: _Optional[int] = ..., pod: _Optional[str] = ..., result: _Optional[str] = ..., detail: _Optional[str] = ..., missed_ranks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("reason",)
