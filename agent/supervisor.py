@@ -312,6 +312,7 @@ class Supervisor:
                     if r.state == State.LOADING or (refresh and r.state == State.READY)]
             url = self.runtime.health_url()
             check_health = bool(todo) or not self._healthy
+            loading = any(self.ranks[i].state == State.LOADING for i, _ in todo)
         if refresh:
             self._last_refresh = now
         if not check_health:
@@ -319,6 +320,8 @@ class Supervisor:
         healthy = http_health(url, self.policy.probe_timeout) if url else True
         results = [(i, spec, self.runtime.probe(spec, self.policy.probe_timeout))
                    for i, spec in todo]
+        # Bytes loaded so far, so that Status shows a long load moving (runtime-reported).
+        progress = self.runtime.loading_bytes(self.policy.probe_timeout) if loading else {}
         with self._lock:
             if self._child is None:
                 return
@@ -336,6 +339,8 @@ class Supervisor:
                     r.bytes, r.stats = probe.bytes, probe.stats
                 elif r.state == State.LOADING:
                     r.message = f"loading ({probe.error})"
+                    if spec.global_rank in progress:
+                        r.bytes = progress[spec.global_rank]
             if self._all_ready_locked() and self.message != "ready":
                 self.message = "ready"
                 self.load_failures = 0

@@ -9,6 +9,7 @@ plus one registry entry in `runtimes/__init__.py`.
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -78,6 +79,10 @@ class Runtime(ABC):
         """The child's own HTTP health endpoint, if it has one."""
         return None
 
+    def loading_bytes(self, timeout: float) -> dict[int, int]:
+        """Bytes each still-loading rank holds so far, by global rank ({}: not known)."""
+        return {}
+
     def collect_stats(self) -> bool:
         """Whether `Probe.stats` carries request counters worth exporting."""
         return False
@@ -91,6 +96,27 @@ def socket_is_ours(path: str, private_dir: str) -> str | None:
     have planted.
     """
     return socket_refusal(path, private_dir)
+
+
+MAX_HEALTH_BODY = 1 << 20
+
+
+def http_json(url: str, timeout: float) -> dict[str, Any] | None:
+    """The child's health endpoint's JSON body (any status), or None; never raises."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
+                                      timeout=timeout)
+    try:
+        conn.request("GET", parts.path or "/")
+        body = conn.getresponse().read(MAX_HEALTH_BODY + 1)
+        if len(body) > MAX_HEALTH_BODY:
+            return None
+        value = json.loads(body)
+        return value if isinstance(value, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
 
 
 def http_health(url: str, timeout: float) -> bool:

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from weightcache.agent.config import AgentConfig, ConfigError
-from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
+from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, http_json, socket_is_ours
 from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
 from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
 from weightcache.native import protocol
@@ -134,6 +134,18 @@ class NativeRuntime(Runtime):
 
     def collect_stats(self) -> bool:
         return True
+
+    def loading_bytes(self, timeout: float) -> dict[int, int]:
+        """The launcher's /health lists each rank's `bytes_loaded` while it loads."""
+        body = http_json(self.health_url(), timeout) or {}
+        out: dict[int, int] = {}
+        for rank in body.get("ranks") or []:
+            if not isinstance(rank, dict):
+                continue
+            g, n = rank.get("rank"), rank.get("bytes_loaded")
+            if type(g) is int and type(n) is int and n >= 0:
+                out[g] = n
+        return out
 
     def _request(self, path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

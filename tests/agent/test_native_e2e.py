@@ -193,3 +193,19 @@ def test_a_stopped_rank_is_not_ready_within_seconds_and_restarted(agents, checkp
     assert gone(pids[0])
     assert [hello(r.socket_path)["pid"] for r in st.ranks] != pids
     assert agent.terminate() == 0
+
+
+def test_status_shows_bytes_loaded_while_ranks_load(agents, checkpoint):
+    """While ranks hold loaded shards unbound, Status is LOADING with their bytes so far (from
+    the launcher's /health), so a long load is seen moving; READY then keeps the bytes."""
+    from weightcache.native.daemon import BIND_DELAY_ENV
+
+    plan = make_plan(runtime="native", tensor=2, model=str(checkpoint), epoch=1,
+                     spec_extra={"device": "cpu"})
+    agent = agents(plan, env={BIND_DELAY_ENV: "4"}).start()
+    expected = shard_bytes(checkpoint, 2)
+    st = agent.wait(lambda s: len(s.ranks) == 2 and all(
+        r.state == agent_pb2.RANK_STATE_LOADING and r.bytes > 0 for r in s.ranks), 60)
+    assert [r.bytes for r in st.ranks] == expected and not st.ready
+    st = agent.wait_ready(timeout=60)
+    assert [r.bytes for r in st.ranks] == expected

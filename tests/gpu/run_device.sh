@@ -57,6 +57,18 @@ while [ $# -gt 0 ]; do
         timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.cli bench --device cuda gpu 2>&1 | tee "$OUT/bench_gpu.log"
       rm -rf "$WORK"
       ;;
+    load)
+      # `weightcache bench --device cuda load`: layouts x (bounds, baselines, loader, preload),
+      # attach, restarts; LOAD_LAYOUTS / LOAD_PARTS / LOAD_GRID=1 narrow or widen it.
+      shift
+      WORK=/var/tmp/wc-load; mkdir -p "$WORK"
+      WEIGHTCACHE_BENCH_LOAD_OUT="$OUT/bench_load.json" WEIGHTCACHE_BENCH_LOAD_WORKDIR="$WORK" \
+        WEIGHTCACHE_BENCH_LOAD_LAYOUTS="${LOAD_LAYOUTS:-sharded,single,many}" \
+        WEIGHTCACHE_BENCH_LOAD_PARTS="${LOAD_PARTS:-attach,restart,scaling}" \
+        WEIGHTCACHE_BENCH_LOAD_PROFILE_GRID="${LOAD_GRID:-0}" \
+        timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.cli bench --device cuda load 2>&1 | tee "$OUT/bench_load.log"
+      rm -rf "$WORK"
+      ;;
     *) echo "unknown step $1"; shift ;;
   esac
 done

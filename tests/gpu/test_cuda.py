@@ -127,7 +127,8 @@ def test_legacy_ipc_in_one_process_fails_cleanly(monkeypatch, preflight):
     torch.cuda.synchronize(DEV)
 
 
-@pytest.mark.parametrize(("tp", "dtype", "direct"), [(1, "auto", False), (2, "float16", True)])
+@pytest.mark.parametrize(("tp", "dtype", "direct"),
+                         [(1, "auto", False), (2, "float16", True), (1, "auto", "auto")])
 def test_coldload_into_cuda_matches_reference(small_model, tp, dtype, direct):
     ckpt = open_checkpoint(small_model)
     for rank in range(tp):

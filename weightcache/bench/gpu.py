@@ -354,6 +354,27 @@ def coldload_runs(model: Path, configs: list[dict[str, Any]], cold: bool) -> lis
     return out
 
 
+def first_json_line(proc: subprocess.Popen, prefix: str) -> dict[str, Any]:
+    """The JSON after `prefix` on the first stdout line that has it ({} if the process ends)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix) :])
+    proc.wait()
+    return {}
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL after `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class DaemonProc:
     def __init__(self, model: Path, socket_dir: Path, transport: str) -> None:
         cmd = [sys.executable, "-m", "weightcache.native.daemon", "--model", str(model),
@@ -361,25 +382,13 @@ class DaemonProc:
                "--weight-cache-socket-dir", str(socket_dir)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.info: dict[str, Any] = {}
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("SERVING "):
-                self.info = json.loads(line[len("SERVING ") :])
-                break
+        self.info = first_json_line(self.proc, "SERVING ")
         self.wall = time.perf_counter() - self.t0
         if not self.info:
-            self.proc.wait()
             raise RuntimeError(f"daemon exited with {self.proc.returncode} before serving")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def _free() -> int:

@@ -9,7 +9,6 @@ error naming the file instead of a crash halfway through loading.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -162,10 +161,6 @@ def _load_json(raw: bytes | str, where: str) -> Any:
         raise CheckpointError(f"{where} (not JSON: {exc})") from None
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     """Validate one file by safetensors' own rules (`Metadata::validate` and `read_metadata`
     in safetensors/src/tensor.rs): `__metadata__` maps strings to strings; every tensor has a
@@ -176,6 +171,8 @@ def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     data_len = os.path.getsize(path) - data_start
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
+    # Runs on every attach (client fingerprint) for hundreds of entries: the checks are
+    # written out, and the error context is only formatted when an entry is bad.
     for name, entry in header.items():
         if name == "__metadata__":
             if entry is not None and not (
@@ -187,29 +184,36 @@ def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
                     " to strings)"
                 )
             continue
-        where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{where}: header entry is not an object")
+            raise CheckpointError(f"{path}: tensor {name!r}: header entry is not an object")
         tag, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(tag, str) or tag not in DTYPES:
-            raise CheckpointError(f"{where}: unsupported dtype {_short(tag)}")
-        if not isinstance(shape, list) or not all(
-            _int(d) and 0 <= d <= MAX_DIM for d in shape
-        ):
-            raise CheckpointError(f"{where}: bad shape {_short(shape)}")
+        kind = DTYPES.get(tag) if isinstance(tag, str) else None
+        if kind is None:
+            raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {_short(tag)}")
+        nbytes = kind[1]
+        good = type(shape) is list
+        if good:
+            for d in shape:  # JSON gives int or bool; bool is refused
+                if type(d) is not int or not 0 <= d <= MAX_DIM:
+                    good = False
+                    break
+                nbytes *= d
+        if not good:
+            raise CheckpointError(f"{path}: tensor {name!r}: bad shape {_short(shape)}")
         if (
-            not isinstance(offsets, list)
+            type(offsets) is not list
             or len(offsets) != 2
-            or not all(_int(o) for o in offsets)
+            or type(offsets[0]) is not int
+            or type(offsets[1]) is not int
             or not 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CheckpointError(
-                f"{where}: bad data_offsets {_short(offsets)} (data is {data_len} bytes)"
+                f"{path}: tensor {name!r}: bad data_offsets {_short(offsets)}"
+                f" (data is {data_len} bytes)"
             )
-        nbytes = math.prod(shape) * DTYPES[tag][1]
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(
-                f"{where}: data_offsets cover {offsets[1] - offsets[0]} bytes,"
+                f"{path}: tensor {name!r}: data_offsets cover {offsets[1] - offsets[0]} bytes,"
                 f" shape {_short(shape)} of {tag} needs {_short(nbytes)}"
             )
         spans.append((offsets[0], offsets[1], name))

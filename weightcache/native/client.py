@@ -329,8 +329,9 @@ def _from_cache_unchecked(
                     f"mapped arena holds {flat.numel()} bytes, the layout needs"
                     f" {plan.layout.nbytes}")
             if mode == "copy":
+                # Queued on the device; the mapping stays until the views are built, so that
+                # work overlaps the copy (unmapping waits for it).
                 flat = flat.clone()
-                imported.close()
             # Our own table, now known equal to the daemon's.
             state = tensors_from_table(flat, plan.layout.table(), plan.layout.aliases)
         except ArenaLayoutError as exc:
@@ -339,6 +340,8 @@ def _from_cache_unchecked(
         except BaseException:
             imported.close()
             raise
+        if mode == "copy":
+            imported.close()
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).
         return state, flat.numel()

@@ -45,6 +45,8 @@ from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity, socket_path
 from .lifetime import request_parent_death_signal
+from .prefetch import Prefetcher
+from .progress import Counter, Ticker
 from .security import (
     AlreadyRunningError,
     SecurityError,
@@ -72,6 +74,11 @@ MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
+# Warm the page cache with the checkpoint while torch and CUDA start (prefetch.py); 1 = on.
+# Off by default: on the H200 VM with every cache dropped it competed with the imports' own
+# reads and made READY 1.1 s later (docs/performance.md).
+PREFETCH_ENV = "WEIGHTCACHE_LOAD_PREFETCH"
+LOADING_INTERVAL_S = 0.5  # how often a loading rank reports its bytes on stdout
 
 
 class Stop(BaseException):
@@ -481,6 +488,7 @@ def run(args: argparse.Namespace) -> int:
     Taking the lock before importing torch makes a second daemon for the same device fail
     in a fraction of a second.
     """
+    started = time.monotonic()
     tp, rank = args.tensor_parallel_size, args.rank
     if tp < 1 or not 0 <= rank < tp:
         log.error("bad rank %d for tensor-parallel-size %d", rank, tp)
@@ -526,6 +534,18 @@ def run(args: argparse.Namespace) -> int:
     arena: Arena | None = None
     listener: socket.socket | None = None
     server: RankServer | None = None
+    phases: dict[str, float] = {}
+    mark = started
+    prefetcher = None
+    if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
+        prefetcher = Prefetcher(ckpt.files).start()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = round(now - mark, 4)
+        mark = now
+
     try:
         import torch
 
@@ -534,6 +554,11 @@ def run(args: argparse.Namespace) -> int:
         from .transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
+        phase("startup_seconds")  # headers, device identity (imports torch on CUDA), lock
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.empty(0, device=device)  # the CUDA context, timed on its own
+        phase("cuda_init_seconds")
         try:
             layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp, tp_rank=rank,
                                                   dtype=args.dtype)
@@ -550,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(FileNotFoundError):
                 if Path(path).is_socket() and not Path(path).is_symlink():
                     os.unlink(path)
+        phase("plan_seconds")
         t0 = time.monotonic()
         transport = get_transport(args.transport) if args.transport else default_transport(device)
         arena = transport.allocate(layout.nbytes, device)
@@ -558,10 +584,28 @@ def run(args: argparse.Namespace) -> int:
         digest_thread = threading.Thread(
             target=_digest_into, args=(ckpt.files, digests), name="digest", daemon=True)
         digest_thread.start()
-        load_into_arena(layout, arena.tensor())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        phase("allocate_seconds")
+        prefetched = prefetcher.stop() if prefetcher is not None else None
+        done = Counter()
+        t_load = time.monotonic()
+
+        def report() -> None:
+            _emit("LOADING " + json.dumps({
+                "rank": global_rank, "bytes_loaded": done.value, "bytes": layout.nbytes,
+                "seconds": round(time.monotonic() - t_load, 3)}))
+
+        ticker = Ticker(report, LOADING_INTERVAL_S).start()
+        try:
+            loaded = load_into_arena(layout, arena.tensor(), progress=done.add)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            ticker.stop()
+        done.add(layout.nbytes - done.value)  # the alignment padding between tensors
+        report()
+        phase("fill_seconds")
         digest_thread.join()
+        phase("digest_wait_seconds")  # how long the digest outlasted the fill
         if "error" in digests:
             log.error("rank %d: %s", rank, digests["error"])
             return EXIT_ERROR
@@ -572,6 +616,7 @@ def run(args: argparse.Namespace) -> int:
         if delay > 0:
             time.sleep(delay)
         arena.export()  # seal / create the handle now, not on the first engine's clock
+        phase("export_seconds")
         server = RankServer(
             arena=arena,
             transport_name=transport.name,
@@ -607,6 +652,11 @@ def run(args: argparse.Namespace) -> int:
                     "bytes": layout.nbytes,
                     "tensors": len(layout.entries),
                     "load_seconds": round(load_seconds, 4),
+                    "load_gb_per_s": float(f"{layout.nbytes / load_seconds / 1e9:.4g}")
+                    if load_seconds > 0 else None,
+                    "phases": phases,
+                    "prefetch": prefetched,
+                    "loader": loaded.as_dict() if loaded is not None else None,
                     "pid": os.getpid(),
                     "content": fingerprint["content"],
                 }
@@ -622,6 +672,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         return EXIT_ERROR
     finally:
+        if prefetcher is not None:
+            prefetcher.stop()
         _Serving.server = _Serving.listener = None
         if server is not None:
             server.shutdown()

@@ -63,6 +63,25 @@ def _driver():
     return driver
 
 
+def visible_device_count() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied), without torch.
+
+    The launcher checks the layout before starting ranks; importing torch for that cost it
+    ~5 s on the H200 VM, which every rank then paid again for its own import.
+    """
+    try:
+        cu = _driver()
+        if int(cu.cuInit(0)[0]) == 0:
+            err, count = cu.cuDeviceGetCount()
+            if int(err) == 0:
+                return int(count)
+    except Exception:  # no cuda-python, or no driver: ask torch as before
+        pass
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _torch_uuid(index: int) -> str | None:
     import torch
 

@@ -12,12 +12,16 @@ exits with the failing rank's exit code if a rank dies. SIGINT/SIGTERM stop ever
 unlinks its socket and lock file and frees its arena). With --weight-cache-health-port, GET
 /health answers 200 while all ranks serve and 503 otherwise.
 
-Stdout carries only machine-readable lines: `HEALTH {json}` (when enabled) and `READY {json}`.
+Stdout carries only machine-readable lines: `HEALTH {json}` (when enabled) and `READY {json}`
+(bytes, seconds to serving, GB/s, and each rank's own load time). While ranks load, progress
+(bytes, GB/s, ETA) goes to stderr: a bar on a terminal, a plain line every few seconds
+otherwise (`WEIGHTCACHE_PROGRESS_INTERVAL_S`); /health shows the bytes loaded so far.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +37,7 @@ from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutErro
 from weightcache.contracts.vocabulary import DTYPES, EXIT_BAD_INPUT, EXIT_SECURITY
 
 from .lifetime import request_parent_death_signal
+from .progress import ProgressPrinter
 
 log = logging.getLogger("weightcache.preload")
 
@@ -53,6 +58,14 @@ class Rank:
         self.info: dict[str, Any] | None = None
         self.serving = threading.Event()
         self.missed = 0  # consecutive unanswered liveness pings
+        self.loading: dict[str, Any] = {}  # the rank's last LOADING line
+
+    def loaded(self) -> tuple[int, int]:
+        """(bytes in the arena so far, bytes of the shard; 0 before the rank knows)."""
+        if self.info:
+            total = int(self.info.get("bytes") or 0)
+            return total, total
+        return int(self.loading.get("bytes_loaded") or 0), int(self.loading.get("bytes") or 0)
 
     def state(self) -> dict[str, Any]:
         code = self.proc.poll()
@@ -62,8 +75,10 @@ class Rank:
         out: dict[str, Any] = {"rank": self.rank, "local_rank": self.place.local,
                                "tp_rank": self.place.tp_rank, "dp_rank": self.place.dp_rank,
                                "state": status, "pid": self.proc.pid}
+        done, total = self.loaded()
+        out.update(bytes_loaded=done, bytes=total)
         if self.info:
-            out.update(socket=self.info.get("socket"), bytes=self.info.get("bytes"))
+            out.update(socket=self.info.get("socket"), load_seconds=self.info.get("load_seconds"))
         if code is not None:
             out["exit_code"] = code
         return out
@@ -78,6 +93,9 @@ def _reader(rank: Rank) -> None:
             except ValueError:
                 rank.info = {}
             rank.serving.set()
+        elif line.startswith("LOADING "):
+            with contextlib.suppress(ValueError):
+                rank.loading = json.loads(line[len("LOADING ") :])
         else:
             sys.stderr.write(f"[rank {rank.rank}] {line}")
 
@@ -127,7 +145,11 @@ def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServ
             states = [r.state() for r in ranks]
             ready = bool(states) and all(s["state"] == "serving" for s in states)
             # An unresponsive rank makes the whole launcher not ready (`state` says which).
-            body = json.dumps({"ready": ready, "ranks": states}).encode()
+            body = json.dumps({
+                "ready": ready, "ranks": states,
+                "bytes_loaded": sum(s["bytes_loaded"] for s in states),
+                "bytes": sum(s["bytes"] for s in states),
+            }).encode()
             self.send_response(200 if ready else 503)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -178,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device_count(kind: str) -> int:
     if kind == "cuda":
-        import torch
+        from .gpu import visible_device_count  # torch-free: the ranks import torch themselves
 
-        return torch.cuda.device_count()
+        return visible_device_count()
     return os.cpu_count() or 1
 
 
@@ -286,6 +308,25 @@ def _stop_all(ranks: list[Rank]) -> None:
             r.proc.wait()
 
 
+def _progress_interval() -> float | None:
+    value = os.environ.get("WEIGHTCACHE_PROGRESS_INTERVAL_S", "").strip()
+    try:
+        return float(value) if value else None
+    except ValueError:
+        log.warning("WEIGHTCACHE_PROGRESS_INTERVAL_S=%r is not a number; using the default", value)
+        return None
+
+
+def _show_progress(printer: ProgressPrinter, ranks: list[Rank], started: float) -> None:
+    """Sum the ranks' LOADING counts; print once the first rank has reported its size."""
+    pairs = [r.loaded() for r in ranks]
+    total = sum(t for _, t in pairs)
+    # The rate counts from when the ranks started filling, not from the launcher's start.
+    seconds = max((float(r.loading.get("seconds") or 0) for r in ranks), default=0.0)
+    if total and printer.interval > 0:
+        printer.update(sum(d for d, _ in pairs), total, seconds or time.monotonic() - started)
+
+
 def _emit(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -338,6 +379,8 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_liveness, args=(ranks, stop), daemon=True,
                          name="liveness").start()
         announced = False
+        printer = ProgressPrinter(sys.stderr, f"preload {os.path.basename(args.model.rstrip('/'))}",
+                                  interval=_progress_interval())
         while not stop.is_set():
             for r in ranks:
                 code = r.proc.poll()
@@ -347,15 +390,24 @@ def main(argv: list[str]) -> int:
                               r.rank, code, phase)
                     _stop_all(ranks)
                     return _exit_code(code) or 1
+            if not announced:
+                _show_progress(printer, ranks, started)
             if not announced and all(r.serving.is_set() for r in ranks):
                 announced = True
                 infos = [r.info or {} for r in ranks]
+                total = sum(int(i.get("bytes") or 0) for i in infos)
+                elapsed = time.monotonic() - started
+                printer.finish(total, elapsed)
                 _emit("READY " + json.dumps({
                     "ranks": len(ranks),
                     "device": args.device,
                     "sockets": [i.get("socket") for i in infos],
-                    "bytes": sum(int(i.get("bytes") or 0) for i in infos),
-                    "seconds": round(time.monotonic() - started, 3),
+                    "bytes": total,
+                    "seconds": round(elapsed, 3),
+                    "gb_per_s": float(f"{total / elapsed / 1e9:.4g}") if elapsed > 0 else None,
+                    "load_seconds": [i.get("load_seconds") for i in infos],
+                    "rank_loads": [{k: i.get(k) for k in ("load_gb_per_s", "phases", "loader")}
+                                   for i in infos],
                     "pids": [r.proc.pid for r in ranks],
                     "global_ranks": [r.place.global_rank for r in ranks],
                     "tp_ranks": [r.place.tp_rank for r in ranks],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,11 +109,14 @@ def plan_layout(
     aliases = dict(aliases or {})
     entries: list[Entry] = []
     offset = 0
+    targets: dict[str, torch.dtype] = {}  # per safetensors tag: this runs on every attach
     for name, info in ckpt.tensors.items():
         if name in aliases:
             continue
         spec = plan_shard(name, info.shape, rules, tp_size, tp_rank)
-        out = target_dtype(info.dtype, dtype)
+        out = targets.get(info.tag)
+        if out is None:
+            out = targets[info.tag] = target_dtype(info.dtype, dtype)
         numel = 1
         for d in spec.shape:
             numel *= d
@@ -134,15 +137,20 @@ def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
     return raw.view(info.dtype).view(info.shape)
 
 
-def load_into_arena(layout: ArenaLayout, flat: torch.Tensor) -> None:
-    """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes)."""
+def load_into_arena(
+    layout: ArenaLayout, flat: torch.Tensor, *, progress: Callable[[int], None] | None = None
+) -> Any:
+    """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
+
+    `progress(n)` is called with the arena bytes of each piece as it is filled. On CUDA the
+    cold loader's `LoadStats` is returned (None on the CPU path).
+    """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     if flat.is_cuda:
         from .coldload import load_layout  # pinned, multi-threaded reads + async H2D copies
 
-        load_layout(layout, flat)
-        return
+        return load_layout(layout, flat, progress=progress)
     by_file: dict[Any, list[Entry]] = {}
     for entry in layout.entries:
         by_file.setdefault(entry.source.file, []).append(entry)
@@ -162,9 +170,12 @@ def load_into_arena(layout: ArenaLayout, flat: torch.Tensor) -> None:
                 dst = flat[entry.offset : entry.offset + entry.nbytes]
                 dst.view(entry.dtype).view(entry.spec.shape).copy_(src)
                 del src, dst
+                if progress is not None:
+                    progress(entry.nbytes)
         finally:
             with contextlib.suppress(BufferError):
                 filemap.close()
+    return None
 
 
 def tensors_from_table(
@@ -173,9 +184,11 @@ def tensors_from_table(
     """Named views into `flat`; aliases map to the very same tensor object as their target.
 
     Every row is checked against the buffer so a bad table raises ArenaLayoutError, never reads
-    out of bounds.
+    out of bounds. This runs on every attach (hundreds of rows), so each view is made with
+    one `as_strided` on a per-dtype view of the arena instead of a chain of three views.
     """
     size = flat.numel()
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for row in table:
         try:
@@ -184,22 +197,35 @@ def tensors_from_table(
             shape, stride = list(row["shape"]), list(row["stride"])
         except (KeyError, TypeError) as exc:
             raise ArenaLayoutError(f"malformed tensor table row {row!r}: {exc}") from None
-        ints = [offset, nbytes, *shape, *stride]
-        if not isinstance(name, str) or not all(isinstance(v, int) and v >= 0 for v in ints):
+        if (
+            not isinstance(name, str)
+            or not isinstance(offset, int) or offset < 0
+            or not isinstance(nbytes, int) or nbytes < 0
+            or len(stride) != len(shape)
+        ):
             raise ArenaLayoutError(f"malformed tensor table row {row!r}")
-        if len(stride) != len(shape) or stride != _contiguous(shape):
-            raise ArenaLayoutError(f"tensor {name!r}: only contiguous strides are supported")
         numel = 1
-        for d in shape:
-            numel *= d
-        if numel * dtype.itemsize != nbytes or offset + nbytes > size:
+        for i in range(len(shape) - 1, -1, -1):  # contiguous strides, checked as they are built
+            d, st = shape[i], stride[i]
+            if not isinstance(d, int) or not isinstance(st, int) or d < 0 or st < 0:
+                raise ArenaLayoutError(f"malformed tensor table row {row!r}")
+            if st != numel:
+                raise ArenaLayoutError(f"tensor {name!r}: only contiguous strides are supported")
+            numel *= max(d, 1)
+        itemsize = dtype.itemsize
+        if 0 in shape:
+            numel = 0
+        if numel * itemsize != nbytes or offset + nbytes > size:
             raise ArenaLayoutError(
                 f"tensor {name!r}: {nbytes} bytes at {offset} do not fit the arena")
-        if offset % dtype.itemsize:
+        if offset % itemsize:
             raise ArenaLayoutError(f"tensor {name!r}: offset {offset} is not aligned for {dtype}")
         if name in out:
             raise ArenaLayoutError(f"tensor {name!r} appears twice in the table")
-        out[name] = flat[offset : offset + nbytes].view(dtype).view(shape)
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = flat[: size - size % itemsize].view(dtype)
+        out[name] = base.as_strided(shape, stride, offset // itemsize)
     for alias, target in (aliases or {}).items():
         if target not in out or not isinstance(alias, str):
             raise ArenaLayoutError(f"alias {alias!r} points at unknown tensor {target!r}")

@@ -72,8 +72,8 @@ class ShardSpec:
 def plan_shard(
     name: str, shape: tuple[int, ...], rules: list[ShardRule], tp_size: int, tp_rank: int
 ) -> ShardSpec:
-    dim = shard_dim(name, rules)
-    if dim is None or tp_size == 1:
+    dim = None if tp_size == 1 else shard_dim(name, rules)  # one rank: no rule can apply
+    if dim is None:
         return ShardSpec(None, 0, shape[0] if shape else 0, shape)
     ndim = len(shape)
     if not -ndim <= dim < ndim:

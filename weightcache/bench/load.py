@@ -1,0 +1,500 @@
+"""GPU section `load`: cold and warm load, attach and engine restart on real checkpoint layouts.
+
+A Llama-3.1-8B-shaped `LlamaForCausalLM` (random bf16 weights, built on the GPU) is written in
+three layouts users have: `save_pretrained` shards with an index (`sharded`), one large
+`model.safetensors` (`single`), and one file per tensor with an index (`many`). For each, with
+the page cache dropped and then warm, in the same run:
+- the bounds: `cat` of the files (one sequential reader) and 16 threads of 64 MiB O_DIRECT
+  reads; the device's sequential read bandwidth is the better of the two;
+- the baselines: safetensors `load_file(device="cuda")`, transformers `from_pretrained`;
+- the cold loader in this process, and the real `weightcache preload` (to READY);
+then, on `sharded`: attach through the public client (zero copy, and copy end to end), a
+cProfile of the attach, attach time against tensor count and shard size (sparse files, up to
+64 GB), and engine restarts (`weightcache.bench.restart`) from the cache and from disk.
+Figures are reported as ratios against those baselines; targets are shown, never asserted.
+Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from weightcache.bench import gpu as g
+
+GB = 1e9
+MiB = 1 << 20
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+TARGETS = {"cold_vs_device_read_min": 0.95, "warm_gb_per_s_min": 15.0,
+           "attach_ms_max": 10.0, "copy_tb_per_s_min": 1.5}
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def _safe(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """One failing measurement must not lose the others."""
+    try:
+        out = fn(*args, **kw)
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"  {name}: {json.dumps(out)[:400]}")
+    return out
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def build_model() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**LLAMA_8B)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
+
+
+def write_layout(model: Any, kind: str, path: Path, limit_gb: float | None) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from weightcache.testing.checkpoints import sync_files
+
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    t0 = time.perf_counter()
+    if kind == "sharded":
+        model.save_pretrained(path, max_shard_size="5GB")
+    else:
+        model.config.save_pretrained(path)
+        state = {}
+        total = 0
+        for k, v in model.state_dict().items():  # the first `limit_gb` of tensors
+            if limit_gb is not None and total + v.nbytes > limit_gb * GB:
+                break
+            state[k] = v.detach()
+            total += v.nbytes
+        if kind == "single":
+            save_file({k: v.cpu() for k, v in state.items()}, str(path / "model.safetensors"),
+                      metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, (k, v) in enumerate(state.items()):
+                fname = f"model-{i + 1:05d}-of-{len(state):05d}.safetensors"
+                save_file({k: v.cpu()}, str(path / fname), metadata={"format": "pt"})
+                weight_map[k] = fname
+            index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())},
+                     "weight_map": weight_map}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    sync_files(path)
+    files = g._files(path)
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "write_seconds": round(time.perf_counter() - t0, 2)}
+
+
+# -- measurements ---------------------------------------------------------------------------
+def drop(files: list[Path]) -> None:
+    from weightcache.native.coldload import drop_page_cache
+
+    drop_page_cache(files)
+
+
+def cat_read(files: list[Path]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with open(os.devnull, "wb") as null:
+        subprocess.run(["cat", *map(str, files)], stdout=null, check=True)
+    dt = time.perf_counter() - t0
+    n = sum(f.stat().st_size for f in files)
+    return {"seconds": round(dt, 3), "gb_per_s": round(n / dt / GB, 3)}
+
+
+def from_pretrained(path: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(p.numel() * p.element_size() for p in m.parameters())
+    del m
+    torch.cuda.empty_cache()
+    return {"seconds": round(dt, 3), "gb_per_s": round(n / dt / GB, 3)}
+
+
+class Launcher:
+    """The real `weightcache preload` (launcher + one daemon rank), timed to its READY line."""
+
+    def __init__(self, model: Path, sockdir: Path, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
+               "--device", "cuda", "--weight-cache-socket-dir", str(sockdir)]
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.ready = g.first_json_line(self.proc, "READY ")
+        self.wall = time.perf_counter() - self.t0
+        if not self.ready:
+            raise RuntimeError(f"preload exited {self.proc.returncode}: {self.stderr[-5:]}")
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line.rstrip())
+
+    @property
+    def socket(self) -> str:
+        return self.ready["sockets"][0]
+
+    def summary(self) -> dict[str, Any]:
+        progress = [ln for ln in self.stderr if ln.startswith("preload ")]
+        return {"wall_to_ready_s": round(self.wall, 3), "ready": self.ready,
+                "progress_lines": progress[:3] + progress[-2:]}
+
+    def stop(self) -> None:
+        g.stop_process(self.proc)
+
+
+def preload_once(model: Path, files: list[Path], cold: bool, env: dict | None = None) -> dict:
+    if cold:
+        drop(files)
+    else:
+        g._warm(files)
+    sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
+    launcher = Launcher(model, sockdir, env)
+    try:
+        return launcher.summary()
+    finally:
+        launcher.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def attach_figures(model: Path, sock: str, repeats: int, fresh_runs: int = 3) -> dict[str, Any]:
+    """Public-client attaches (zero copy), a breakdown, and a cProfile of a few."""
+    from pathlib import Path as P
+
+    import torch
+
+    from weightcache.native import client
+
+    dev = torch.device("cuda", 0)
+    from weightcache.testing.processes import run_attach
+
+    # A restarting engine's very first attach: a fresh process (lazy imports, first driver
+    # calls), as `weightcache attach` reports it, three times.
+    fresh = [run_attach(["--model", str(model), "--device", "cuda:0", "--socket-path", sock,
+                         "--no-fallback"])["seconds"] for _ in range(fresh_runs)]
+    t0 = time.perf_counter()
+    client.attach(model, device="cuda:0", socket_path=sock, fallback=False)
+    first = time.perf_counter() - t0
+    totals, plans, caches = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = client.attach(model, device="cuda:0", socket_path=sock, fallback=False)
+        totals.append(time.perf_counter() - t0)
+        assert res.source == "cache", res.reason
+        del res
+        t0 = time.perf_counter()
+        plan = client.plan_rank(model, device=dev, device_index=0, tp_size=1, tp_rank=0,
+                                shard_rules=None, dtype="auto")
+        t1 = time.perf_counter()
+        state, _ = client._from_cache(plan, P(sock), mode="zero_copy", tp_size=1, tp_rank=0,
+                                      connect_timeout_s=5, state_timeout_s=60)
+        t2 = time.perf_counter()
+        plans.append(t1 - t0)
+        caches.append(t2 - t1)
+        del state
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        client.attach(model, device="cuda:0", socket_path=sock, fallback=False)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    return {"fresh_process_first_attach_ms": [round(x * 1e3, 2) for x in fresh],
+            "first_in_process_ms": round(first * 1e3, 2), "attach_ms_median": ms(totals),
+            "attach_ms_min": round(min(totals) * 1e3, 3),
+            "attach_ms_max": round(max(totals) * 1e3, 3), "plan_rank_ms_median": ms(plans),
+            "from_cache_ms_median": ms(caches), "repeats": repeats,
+            "driver_attach_ms_median": g.transport_attach_ms(model, sock, 5),
+            "profile": text.getvalue()[:6000]}
+
+
+def copy_figure(model: Path, sock: str, nbytes: int) -> dict[str, Any]:
+    import torch
+
+    from weightcache.native import client
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = client.attach(model, device="cuda:0", socket_path=sock, fallback=False, mode="copy")
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    ok = res.source == "cache"
+    del res
+    torch.cuda.empty_cache()
+    return {"seconds": round(dt, 4), "tb_per_s": round(nbytes / dt / 1e12, 3), "cache": ok}
+
+
+def sparse_checkpoint(path: Path, tensors: int, nbytes: int) -> Path:
+    """A safetensors file of `tensors` bf16 tensors totalling ~`nbytes`, data left as a hole.
+
+    Attach time depends on the table and the mapping, not on the values: a sparse file makes
+    a 64 GB shard possible on a 64 GB disk (reading a hole returns zeros without I/O).
+    """
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    per = max(1, nbytes // tensors // 2 // 4096 * 4096)  # elements per tensor
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for i in range(tensors):
+        header[f"model.layers.{i}.w.weight"] = {"dtype": "BF16", "shape": [per // 1024, 1024],
+                                                 "data_offsets": [off, off + per // 1024 * 2048]}
+        off += per // 1024 * 2048
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path / "model.safetensors", "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        fh.truncate(8 + len(raw) + off)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def attach_scaling(workdir: Path) -> list[dict[str, Any]]:
+    """Attach time against tensor count (16 GB) and against size (300 tensors)."""
+    grid = [(3000, 16), (300, 64)]  # with the real 291-tensor 16 GB shard of `sharded`
+    rows = []
+    for tensors, gb in grid:
+        path = sparse_checkpoint(workdir / f"sparse-{tensors}-{gb}", tensors, int(gb * GB))
+        sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
+        try:
+            launcher = Launcher(path, sockdir)
+            try:
+                a = attach_figures(path, launcher.socket, 10, fresh_runs=0)
+                a.pop("profile", None)
+                rows.append({"tensors": tensors, "gb": gb, **a,
+                             "load_seconds": launcher.ready.get("load_seconds")})
+            finally:
+                launcher.stop()
+        except Exception as exc:
+            rows.append({"tensors": tensors, "gb": gb, "error": f"{type(exc).__name__}: {exc}"})
+        log(f"  attach scaling {rows[-1]}")
+        shutil.rmtree(sockdir, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def restart_figures(model: Path, files: list[Path]) -> dict[str, Any]:
+    from weightcache.bench.restart import spawn
+
+    out: dict[str, Any] = {}
+    sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
+    g._warm(files)
+    launcher = Launcher(model, sockdir)
+    try:
+        out["cache"] = spawn("cache", model, launcher.socket)
+        log(f"  restart cache {out['cache']}")
+    finally:
+        launcher.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+    for source, cold in (("disk", False), ("disk", True), ("from_pretrained", False),
+                         ("from_pretrained", True)):
+        if cold:
+            drop(files)
+        else:
+            g._warm(files)
+        key = f"{source}_{'cold' if cold else 'warm'}"
+        out[key] = spawn(source, model, None)
+        log(f"  restart {key} {out[key]}")
+    return out
+
+
+def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> dict[str, Any]:
+    files = g._files(model_dir)
+    r: dict[str, Any] = {}
+    nbytes = None
+    full = kind == "sharded"  # the daemon runs (same loader) on the main layout only
+    if full:
+        drop(files)
+        r["cat_cold"] = _safe("cat cold", cat_read, files)
+    drop(files)
+    r["direct_cold"] = _safe("32x64MiB O_DIRECT cold", g.raw_read_rate, files, 32, True)
+    drop(files)
+    r["load_file_cold"] = _safe("load_file cold", g.time_load_file, files)
+    drop(files)
+    r["from_pretrained_cold"] = _safe("from_pretrained cold", from_pretrained, model_dir)
+    cfgs: list[dict[str, Any]] = [{}]
+    if grid:
+        cfgs += [dict(threads=8, chunk=16 * MiB, direct=False),  # the old defaults
+                 dict(threads=16, chunk=16 * MiB)]
+    r["loader_cold"] = _safe("loader cold", g.coldload_runs, model_dir, cfgs, True)
+    if full:
+        r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
+    if grid:
+        r["preload_cold_prefetch"] = _safe("preload cold, prefetch on", preload_once,
+                                              model_dir, files, True,
+                                              {"WEIGHTCACHE_LOAD_PREFETCH": "1"})
+    g._warm(files)
+    r["load_file_warm"] = _safe("load_file warm", g.time_load_file, files)
+    r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)
+    r["loader_warm"] = _safe("loader warm", g.coldload_runs, model_dir, [{}], False)
+    if kind == "sharded":
+        r["preload_warm"] = _safe("preload warm", preload_once, model_dir, files, False)
+    with contextlib.suppress(Exception):
+        nbytes = r["loader_warm"][0]["nbytes"]
+    if kind == "sharded" and "attach" in parts and nbytes:
+        sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
+        g._warm(files)
+        try:
+            launcher = Launcher(model_dir, sockdir)
+            try:
+                r["attach"] = _safe("attach", attach_figures, model_dir, launcher.socket, 20)
+                r["copy"] = _safe("copy", copy_figure, model_dir, launcher.socket, nbytes)
+            finally:
+                launcher.stop()
+        finally:
+            shutil.rmtree(sockdir, ignore_errors=True)
+    if kind == "sharded" and "restart" in parts:
+        r["restart"] = _safe("restart", restart_figures, model_dir, files)
+    r["summary"] = summarize(r, nbytes)
+    return r
+
+
+def _get(d: dict, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    cat, direct = _get(r, "cat_cold", "seconds"), _get(r, "direct_cold", "seconds")
+    bound = min(x for x in (cat, direct, 1e9) if x)
+    s["device_read_s"] = bound
+    loader = _get(r, "loader_cold")
+    if isinstance(loader, list) and loader and "total_seconds" in loader[0]:
+        s["loader_cold_s"] = loader[0]["total_seconds"]
+        s["loader_cold_vs_device_read"] = round(bound / loader[0]["total_seconds"], 3)
+    for key in ("load_file_cold", "from_pretrained_cold", "load_file_warm",
+                "from_pretrained_warm"):
+        v = _get(r, key, "seconds")
+        if v:
+            s[f"{key}_s"] = v
+    pc = _get(r, "preload_cold", "ready")
+    if pc:
+        fill = max(pc.get("load_seconds") or [0])
+        s["preload_cold_ready_s"] = pc.get("seconds")
+        s["preload_cold_rank_load_s"] = fill
+        s["preload_cold_ready_vs_device_read"] = round(bound / pc["seconds"], 3)
+        for key in ("load_file_cold", "from_pretrained_cold"):
+            if s.get(f"{key}_s"):
+                s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
+    lw = _get(r, "loader_warm")
+    if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
+        s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]
+    pw = _get(r, "preload_warm", "ready")
+    if pw:
+        s["preload_warm_rank_load_s"] = max(pw.get("load_seconds") or [0])
+        if nbytes and s["preload_warm_rank_load_s"]:
+            s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
+        s["preload_warm_ready_s"] = pw.get("seconds")
+    if _get(r, "attach", "attach_ms_median"):
+        s["attach_ms_median"] = r["attach"]["attach_ms_median"]
+        lf = s.get("load_file_warm_s")
+        if lf:
+            s["load_file_warm_vs_attach"] = round(lf * 1e3 / s["attach_ms_median"], 1)
+    if _get(r, "copy", "tb_per_s"):
+        s["copy_tb_per_s"] = r["copy"]["tb_per_s"]
+    return s
+
+
+def run(workdir: Path, layouts: list[str], parts: set[str], grid: bool,
+        limit_gb: float | None = None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    report: dict[str, Any] = {"section": "load", "environment": g.environment(workdir),
+                              "targets": TARGETS,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report["environment"]["transformers"] = transformers.__version__
+    log(f"environment {json.dumps(report['environment'])}")
+    report["bounds"] = {"pin_alloc": _safe("pin", g.pin_rate), "h2d": _safe("h2d", g.h2d_rate)}
+    torch.cuda.empty_cache()
+    model = build_model()
+    report["layouts"] = {}
+    for kind in layouts:
+        path = workdir / f"llama8b-{kind}"
+        log(f"[{kind}] writing")
+        info = write_layout(model, kind, path, None if kind == "sharded" else limit_gb)
+        log(f"[{kind}] {info}")
+        if kind == layouts[-1]:
+            del model
+            torch.cuda.empty_cache()
+        report["layouts"][kind] = {"checkpoint": info,
+                                   **measure_layout(kind, path, parts, grid and kind == "sharded")}
+        log(f"[{kind}] summary {json.dumps(report['layouts'][kind]['summary'])}")
+        shutil.rmtree(path, ignore_errors=True)
+        if out := os.environ.get("WEIGHTCACHE_BENCH_LOAD_OUT"):
+            Path(out).write_text(json.dumps(report, indent=2))
+    if "scaling" in parts:
+        report["attach_scaling"] = attach_scaling(workdir)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return report
+
+
+def main(argv: list[str]) -> int:
+    if "--device" in argv and argv[argv.index("--device") + 1] != "cuda":
+        print("  skipped: the load section runs with --device cuda", flush=True)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("  skipped: no CUDA device", flush=True)
+        return 0
+    layouts = os.environ.get("WEIGHTCACHE_BENCH_LOAD_LAYOUTS", "sharded,single,many").split(",")
+    parts = set(os.environ.get("WEIGHTCACHE_BENCH_LOAD_PARTS",
+                               "attach,restart,scaling").split(","))
+    grid = os.environ.get("WEIGHTCACHE_BENCH_LOAD_PROFILE_GRID", "0") == "1"
+    workdir = Path(os.environ.get("WEIGHTCACHE_BENCH_LOAD_WORKDIR") or
+                   tempfile.mkdtemp(prefix="wc-load-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    limit = os.environ.get("WEIGHTCACHE_BENCH_LOAD_SUBSET_GB")  # single/many: a smaller model
+    report = run(workdir, [x for x in layouts if x], parts, grid, float(limit) if limit else None)
+    if out := os.environ.get("WEIGHTCACHE_BENCH_LOAD_OUT"):
+        Path(out).write_text(json.dumps(report, indent=2))
+    print("\n== load ==")
+    for kind, r in report["layouts"].items():
+        print(f"{kind}: {json.dumps(r['summary'])}")
+    for row in report.get("attach_scaling", []):
+        print("attach", {k: row.get(k) for k in ("tensors", "gb", "attach_ms_median",
+                                                  "driver_attach_ms_median", "error")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
