@@ -291,6 +291,14 @@ class RankServer:
         with self._state_lock:
             if self.arena is None:
                 return proto.ok(released=0, still_mapped=self.released_bytes, freed=False), []
+            if self.transport_name == "cuda_ipc" and self.zero_copy_attaches:
+                # Legacy CUDA IPC: memory an exporter frees is gone for its importers too
+                # (undefined behaviour per the CUDA docs), so never free it under engines.
+                return proto.error(
+                    proto.E_BUSY,
+                    f"{self.zero_copy_attaches} zero_copy engine(s) may map this cuda_ipc arena;"
+                    " releasing it would free memory under them (stop them first)",
+                ), []
             arena, self.arena = self.arena, None
             mapped = self.nbytes if self.zero_copy_attaches else 0
             self.released_bytes = mapped
