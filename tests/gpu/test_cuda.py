@@ -208,3 +208,17 @@ def test_zero_copy_engine_outlives_its_daemon(daemon_factory, medium_model, tran
     print("outlive", json.dumps(report))
     assert report["daemon_gone_seen"] is True
     assert report["verified_after_daemon_exit"] is True
+
+
+def test_release_of_a_cuda_ipc_arena_is_refused_once_engines_map_it(daemon_factory,
+                                                                    medium_model):
+    """Legacy CUDA IPC memory freed by its exporter is gone for its importers too: once an
+    engine attached zero_copy, `release` answers `busy` and the arena stays."""
+    from weightcache.native.client import query
+
+    daemon = daemon_factory(medium_model, "cuda_ipc")
+    code, report = run_probe(medium_model, daemon.socket, "zero_copy")
+    assert code == 0 and report["source"] == "cache", report
+    reply = query(daemon.socket, "release")
+    assert reply["ok"] is False and reply["error"] == "busy"
+    assert query(daemon.socket, "get_memory")["bytes"] == daemon.info["bytes"]
