@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean fuzz
+.PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean images chart fuzz
 
 all: test
 
@@ -67,6 +67,17 @@ crds: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. \
 	  weightcache/contracts/proto/agent.proto
+
+# Both images, tagged for a registry: make images REGISTRY=registry.example.com/ml TAG=0.1.0 [PUSH=1] [GPU=1]
+REGISTRY ?=
+TAG ?=
+images:
+	REGISTRY="$(REGISTRY)" PUSH="$(or $(PUSH),0)" GPU="$(or $(GPU),0)" bash scripts/build-images.sh $(if $(TAG),--tag "$(TAG)")
+
+# The chart as a .tgz in dist/ (helm install weightcache dist/weightcache-<version>.tgz,
+# or helm push dist/weightcache-<version>.tgz oci://<registry>/charts).
+chart: tools
+	$(TOOLS)/helm package charts/weightcache --destination dist
 
 # kind end-to-end suite (needs a Docker engine and kind; skips with the reason otherwise).
 .PHONY: e2e

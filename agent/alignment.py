@@ -104,6 +104,7 @@ class ReportServer:
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cache = cfg.plan.cache
+        self.where = [cfg.plan.cache, cfg.env.namespace, cfg.env.node]  # metrics.CACHE_LABELS
         self.path = os.path.join(cfg.socket_dir, al.REPORT_SOCKET)
         self.results = dict.fromkeys(al.RESULTS, 0)
         self.missed_ranks = 0
@@ -194,14 +195,14 @@ class ReportServer:
                     results, missed = dict(server.results), server.missed_ranks
                 starts = CounterMetricFamily(
                     "weightcache_engine_alignment", "Engine starts by GPU alignment result",
-                    labels=["cache", "result"])
+                    labels=["cache", "namespace", "node", "result"])
                 for result, n in results.items():
-                    starts.add_metric([server.cache, result], n)
+                    starts.add_metric([*server.where, result], n)
                 ranks = CounterMetricFamily(
                     "weightcache_engine_alignment_missed_ranks",
                     "Engine ranks that started on a GPU not holding their shard",
-                    labels=["cache"])
-                ranks.add_metric([server.cache], missed)
+                    labels=["cache", "namespace", "node"])
+                ranks.add_metric(server.where, missed)
                 return [starts, ranks]
 
         return _Reports()

@@ -27,7 +27,11 @@ from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import Snapshot, State, Supervisor
 from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
 
-RANK_LABELS = ["cache", "namespace", "node", "rank", "tp_rank", "dp_rank", "gpu_uuid", "role"]
+# Every cache series names the cache, its namespace and the node; rank series also carry the
+# GPU as DCGM exporter labels it (`UUID`, `Hostname`), so they join with DCGM_FI_DEV_* series
+# (`on (UUID, Hostname)`) without label_replace.
+CACHE_LABELS = ["cache", "namespace", "node"]
+RANK_LABELS = [*CACHE_LABELS, "rank", "tp_rank", "dp_rank", "gpu_uuid", "role", "UUID", "Hostname"]
 # Daemon results folded into three values so a misbehaving peer cannot grow label sets.
 KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watch", "stats"})
 # Mismatch labels: the fingerprint's fixed fields; anything else a daemon reports is `other`.
@@ -75,6 +79,7 @@ class AgentCollector(Collector):
         snap = self.supervisor.snapshot()
         cfg = self.cfg
         cache = cfg.env.cache
+        where = [cache, cfg.env.namespace, cfg.env.node]
         info = InfoMetricFamily("weightcache_build", "Build of the weightcache node agent.")
         info.add_metric([], {"version": __version__, "runtime": cfg.plan.runtime})
         yield info
@@ -86,35 +91,36 @@ class AgentCollector(Collector):
                                    labels=RANK_LABELS)
         load = GaugeMetricFamily("weightcache_load_duration_seconds",
                                  "Seconds from launch until the rank's socket answered.",
-                                 labels=["cache", "rank", "role"])
+                                 labels=[*CACHE_LABELS, "rank", "role"])
         for r in snap.ranks:
             s = r.spec
             labels = [cache, cfg.env.namespace, cfg.env.node, str(s.global_rank), str(s.tp_rank),
-                      str(s.dp_rank), s.device.uuid, s.role]
+                      str(s.dp_rank), s.device.uuid, s.role, s.device.uuid, cfg.env.node]
             ready.add_metric(labels, 1.0 if r.state == State.READY else 0.0)
             cached.add_metric(labels, float(r.bytes))
             if r.load_seconds is not None:
-                load.add_metric([cache, str(s.global_rank), s.role], r.load_seconds)
+                load.add_metric([*where, str(s.global_rank), s.role], r.load_seconds)
         yield ready
         yield cached
         yield load
         restarts = CounterMetricFamily("weightcache_daemon_restarts",
-                                       "Times the agent restarted its daemons.", labels=["cache"])
-        restarts.add_metric([cache], float(snap.restarts))
+                                       "Times the agent restarted its daemons.",
+                                       labels=CACHE_LABELS)
+        restarts.add_metric(where, float(snap.restarts))
         yield restarts
         agent_ready = GaugeMetricFamily("weightcache_agent_ready",
                                         "Whether every local rank of the cache is ready (1).",
-                                        labels=["cache"])
-        agent_ready.add_metric([cache], 1.0 if snap.ready else 0.0)
+                                        labels=CACHE_LABELS)
+        agent_ready.add_metric(where, 1.0 if snap.ready else 0.0)
         yield agent_ready
         if self.supervisor.runtime.collect_stats():
-            yield from self._daemon_stats(snap, cache)
+            yield from self._daemon_stats(snap, where)
 
-    def _daemon_stats(self, snap: Snapshot, cache: str) -> Iterator[Metric]:
+    def _daemon_stats(self, snap: Snapshot, where: list[str]) -> Iterator[Metric]:
         attached = GaugeMetricFamily(
             "weightcache_engines_attached",
             "Engines holding a watch connection on a rank (the agent's own watch excluded).",
-            labels=["cache", "rank", "role"])
+            labels=[*CACHE_LABELS, "rank", "role"])
         buckets: list[str] = []
         with self._lock:
             for r in snap.ranks:
@@ -146,7 +152,7 @@ class AgentCollector(Collector):
                 self._acc.observe(src, ("hsum",), _num(hist.get("sum", 0)))
                 watchers = int(_num(st.get("watchers", 0)))
                 own = 1 if r.state == State.READY else 0
-                attached.add_metric([cache, str(r.spec.global_rank), r.spec.role],
+                attached.add_metric([*where, str(r.spec.global_rank), r.spec.role],
                                     float(max(watchers - own, 0)))
             req_totals = self._acc.totals("req")
             mm_totals = self._acc.totals("mm")
@@ -154,24 +160,24 @@ class AgentCollector(Collector):
             hsum = self._acc.totals("hsum").get((), 0.0)
         requests = CounterMetricFamily("weightcache_daemon_requests",
                                        "Requests the native daemons answered, by result.",
-                                       labels=["cache", "command", "result"])
+                                       labels=[*CACHE_LABELS, "command", "result"])
         for (command, result), n in sorted(req_totals.items()):
-            requests.add_metric([cache, command, result], n)
+            requests.add_metric([*where, command, result], n)
         yield requests
         mismatches = CounterMetricFamily(
             "weightcache_fingerprint_mismatches",
             "Attach attempts refused (engine fell back to disk), by fingerprint field.",
-            labels=["cache", "field"])
+            labels=[*CACHE_LABELS, "field"])
         for (fld,), n in sorted(mm_totals.items()):
-            mismatches.add_metric([cache, fld], n)
+            mismatches.add_metric([*where, fld], n)
         yield mismatches
         hist_family = HistogramMetricFamily("weightcache_attach_duration_seconds",
                                             "Seconds the daemons spent serving get_state.",
-                                            labels=["cache"])
+                                            labels=CACHE_LABELS)
         ordered = sorted((b for b in bucket_totals if b[0] != "+Inf"), key=lambda b: float(b[0]))
         count = bucket_totals.get(("+Inf",), 0.0)
         pairs = [(b[0], bucket_totals[b]) for b in ordered] + [("+Inf", count)]
-        hist_family.add_metric([cache], pairs, hsum)
+        hist_family.add_metric(where, pairs, hsum)
         yield hist_family
         yield attached
 

@@ -140,6 +140,7 @@ class Controller:
                       self.alignment_seen):
             table.pop(key, None)
         self.metrics.set_phases(Counter(self.phases.values()))
+        self.metrics.set_cache_phases(self.phases)
 
     # -- reconciliation -----------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Controller:
             self.metrics.reconciles.labels(result="ok").inc()
             self.phases[key] = phase
             self.metrics.set_phases(Counter(self.phases.values()))
+            self.metrics.set_cache_phases(self.phases)
             return phase
 
     async def _reconcile(

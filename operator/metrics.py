@@ -8,7 +8,7 @@ webhooks keep theirs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
@@ -43,6 +43,14 @@ class OperatorMetrics:
         )
         for phase in PHASES:
             self.caches.labels(phase=phase).set(0)
+        # One series per cache (1 for its current phase), so alerts can name the cache.
+        self.cache_phase = Gauge(
+            "weightcache_cache_phase",
+            "Phase of each WeightCache: 1 for the phase it is in.",
+            ["namespace", "cache", "phase"],
+            registry=self.registry,
+        )
+        self._cache_phases: dict[tuple[str, str], str] = {}
         self.nodes = Gauge(
             "weightcache_operator_nodes",
             "Nodes the operator has seen (placement candidates before filtering).",
@@ -52,6 +60,16 @@ class OperatorMetrics:
     def set_phases(self, phases: Counter[str]) -> None:
         for phase in PHASES:
             self.caches.labels(phase=phase).set(phases.get(phase, 0))
+
+    def set_cache_phases(self, phases: Mapping[tuple[str, str], str]) -> None:
+        """Per-cache phase series; those of deleted caches or left phases are removed."""
+        for key, phase in list(self._cache_phases.items()):
+            if phases.get(key) != phase:
+                self.cache_phase.remove(key[0], key[1], phase)
+                del self._cache_phases[key]
+        for (namespace, name), phase in phases.items():
+            self.cache_phase.labels(namespace=namespace, cache=name, phase=phase).set(1)
+            self._cache_phases[(namespace, name)] = phase
 
     def render(self) -> bytes:
         """The operator's series plus the process-wide default registry (webhook metrics)."""

@@ -264,7 +264,7 @@ def _check_runtime(spec: dict) -> list[Problem]:
             problems.append(
                 Problem(
                     "spec.image",
-                    "runtime vllm needs the engines' vLLM image (e.g. vllm/vllm-openai:v0.31.0): "
+                    "runtime vllm needs the engines' vLLM image (e.g. vllm/vllm-openai:v0.33.0): "
                     "the weight fingerprint includes the vLLM version, so daemons and engines "
                     "must run the same image",
                 )
@@ -317,7 +317,7 @@ def _check_image(image: str, runtime: str) -> list[Problem]:
             Problem(
                 "spec.image",
                 f"{image!r} does not pin a version; use the exact tag or digest the engines "
-                "run (e.g. vllm/vllm-openai:v0.31.0): a moving tag lets daemons and engines "
+                "run (e.g. vllm/vllm-openai:v0.33.0): a moving tag lets daemons and engines "
                 "drift apart and every restart silently falls back to disk",
             )
         ]

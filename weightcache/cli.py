@@ -29,7 +29,10 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in {"-h", "--help"}:
+    if not args:  # like argparse without a required subcommand: usage on stderr, exit 2
+        print(f"{_usage()}\n\nweightcache: error: a command is required", file=sys.stderr)
+        return 2
+    if args[0] in {"-h", "--help"}:
         print(_usage())
         return 0
     if args[0] == "--version":

@@ -1,10 +1,25 @@
 """The engine-facing API of the native weight cache: the one import an engine needs.
 
     from weightcache.client import load_state_dict, materialize
+    from weightcache.client import from_pretrained      # transformers (the `transformers` extra)
 
 This module is the stable face; the implementation lives in `weightcache.native.client` and
-may move. It imports torch only through that module, never the operator or the node agent.
+may move. It imports torch only through that module, never the operator or the node agent;
+transformers is imported only when `from_pretrained` is called.
 """
 
+from typing import Any
+
 from weightcache.native.client import *  # noqa: F403
-from weightcache.native.client import __all__  # noqa: F401
+from weightcache.native.client import __all__ as _native_all
+
+
+def from_pretrained(model_dir: Any, **options: Any) -> Any:
+    """A transformers model with its weights from the cache: see
+    `weightcache.integrations.transformers.from_pretrained`."""
+    from weightcache.integrations.transformers import from_pretrained as build
+
+    return build(model_dir, **options)
+
+
+__all__ = [*_native_all, "from_pretrained"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutErro
 from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
 from weightcache.native import protocol
 from weightcache.native.identity import socket_path as native_socket_path
+from weightcache.native.lifetime import python_module
 
 
 def parallel_flags(cfg: AgentConfig) -> ParallelFlags:
@@ -89,7 +89,7 @@ class NativeRuntime(Runtime):
 
     def command(self) -> list[str]:
         cfg, spec = self.cfg, self.cfg.spec
-        argv = [sys.executable, "-m", "weightcache.cli", "preload",
+        argv = [*python_module("weightcache.cli"), "preload",
                 "--model", spec["model"]["path"],
                 *parallel_args(self.flags),
                 "--exit-with-parent",

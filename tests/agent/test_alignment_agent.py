@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,17 +29,18 @@ def test_agent_publishes_map_and_counts_engine_starts(agents, vllm_bin):
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(given)
         env["TMPDIR"] = tempfile.mkdtemp(dir=agent.sock_root)  # each start a fresh container
         subprocess.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=60)
-    want = ('weightcache_engine_alignment_total{cache="llama",result="aligned"} 1.0',
-            'weightcache_engine_alignment_total{cache="llama",result="partial"} 1.0',
-            'weightcache_engine_alignment_missed_ranks_total{cache="llama"} 1.0')
+    where = r'cache="llama",namespace="[^"]+",node="[^"]+"'
+    want = (rf'weightcache_engine_alignment_total\{{{where},result="aligned"\}} 1\.0',
+            rf'weightcache_engine_alignment_total\{{{where},result="partial"\}} 1\.0',
+            rf'weightcache_engine_alignment_missed_ranks_total\{{{where}\}} 1\.0')
     deadline = time.monotonic() + 30
     while True:
         _, text = agent.http("/metrics")
-        if all(w in text for w in want) or time.monotonic() > deadline:
+        if all(re.search(w, text) for w in want) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     for w in want:
-        assert w in text
+        assert re.search(w, text), (w, text)
     assert "started partial: 1 rank(s) load from disk" in agent.log()
     (miss,) = agent.status().alignment_misses  # what the operator turns into a pod event
     assert (miss.seq, miss.pod, miss.result, miss.missed_ranks) == (1, "engine-a", "partial", 1)

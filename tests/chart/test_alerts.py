@@ -70,3 +70,32 @@ def test_every_alert_says_what_to_do():
     for rule in (r for g in rules["groups"] for r in g["rules"]):
         assert rule["labels"]["severity"] in {"warning", "critical"}
         assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40
+
+
+RUNBOOKS = chart.ROOT / "docs" / "runbooks"
+
+
+def test_every_alert_links_its_runbook_page():
+    home = yaml.safe_load((chart.CHART / "Chart.yaml").read_text())["home"].rstrip("/")
+    rules = yaml.safe_load(RULES.read_text())
+    for rule in (r for g in rules["groups"] for r in g["rules"] if "alert" in r):
+        name = rule["alert"]
+        assert rule["annotations"]["runbook_url"] == f"{home}/docs/runbooks/{name}.md", name
+        page = (RUNBOOKS / f"{name}.md").read_text()
+        assert page.startswith(f"# {name}\n")
+        for section in ("**Meaning.**", "**Impact.**", "**Diagnosis.**", "**Mitigation.**"):
+            assert section in page, (name, section)
+    assert {p.stem for p in RUNBOOKS.glob("*.md")} == ALERTS
+
+
+def test_cache_alerts_name_the_cache_and_where():
+    """Alerts on cache series keep namespace and cache (and node where the series has it) in
+    their labels, so the notification says which cache on which node."""
+    rules = {r["alert"]: r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    for name, where in {"WeightCacheDegraded": ("namespace", "cache"),
+                        "WeightCacheRankDown": ("namespace", "cache", "node"),
+                        "WeightCacheFallbackRateHigh": ("namespace", "cache", "node")}.items():
+        expr = rules[name]["expr"]
+        for label in where:
+            assert label in expr.split("by (", 1)[1].split(")", 1)[0], (name, label)
+            assert f"$labels.{label}" in rules[name]["annotations"]["summary"], (name, label)

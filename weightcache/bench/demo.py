@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from weightcache.cliformat import HelpFormatter
 from weightcache.testing.checkpoints import (
     DEMO,
     TINY,
@@ -35,9 +37,12 @@ def _cuda_available() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="weightcache demo", description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p = argparse.ArgumentParser(prog="weightcache demo", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when torch sees a GPU, else cpu")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to start (one per device)")
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and sockets")
     p.add_argument("--small", action="store_true", help="a tiny checkpoint (for smoke tests)")
@@ -45,6 +50,20 @@ def main(argv: list[str]) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
+    elif device == "cuda" and not _cuda_available():
+        print("weightcache demo: --device cuda: no CUDA device is visible here; use --device cpu"
+              " (or auto), or check the NVIDIA driver and CUDA_VISIBLE_DEVICES", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, device)
+    except (RuntimeError, TimeoutError) as exc:  # a step failed: its own error, one line
+        first = str(exc).strip().splitlines()
+        print(f"weightcache demo: {first[0] if first else type(exc).__name__}"
+              " (rerun the failing step by hand for its full output)", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, device: str) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="weightcache-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     model, sockets = work / "model", work / "sockets"

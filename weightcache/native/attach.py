@@ -13,31 +13,71 @@ import json
 import logging
 import sys
 
+from weightcache.cliformat import HelpFormatter
 from weightcache.contracts.vocabulary import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache attach", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="safetensors checkpoint directory")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p = argparse.ArgumentParser(prog="weightcache attach", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="local directory of .safetensors files (the daemon's --model)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel size the daemon was started with")
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank to attach as")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-index", type=int, default=None,
                    help="local device whose socket to use (default: the CUDA device, or on "
                         "CPU the rank; give the local rank for multi-node or DP layouts)")
-    p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="socket_dir", default=None)
-    p.add_argument("--socket-path", default=None, help="explicit daemon socket")
-    p.add_argument("--mode", choices=("zero_copy", "copy"), default=None)
+    p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="socket_dir", default=None,
+                   help="the daemon's socket directory (default: $WEIGHTCACHE_SOCKET_DIR, "
+                        "else the private per-user dir under the temp dir)")
+    p.add_argument("--socket-path", default=None,
+                   help="explicit daemon socket (default: derived from the directory and the "
+                        "device's identity)")
+    p.add_argument("--mode", choices=("zero_copy", "copy"), default=None,
+                   help="zero_copy maps the daemon's arena (shared, nothing is freed); copy "
+                        "clones it and then RELEASES the cache: the daemon frees its arena and "
+                        "every later engine on this device loads from disk (docs/native.md). "
+                        "Default: $WEIGHTCACHE_MODE, else zero_copy")
     fb = p.add_mutually_exclusive_group()
-    fb.add_argument("--fallback", dest="fallback", action="store_true", default=None)
-    fb.add_argument("--no-fallback", dest="fallback", action="store_false")
-    p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM")
+    fb.add_argument("--fallback", dest="fallback", action="store_true", default=None,
+                    help="load from disk when the cache cannot serve (default: "
+                         "$WEIGHTCACHE_FALLBACK, else on)")
+    fb.add_argument("--no-fallback", dest="fallback", action="store_false",
+                    help="fail (exit 1) instead of loading from disk")
+    p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
+                   help="the daemon's shard rules (repeatable; default: the Llama preset)")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--connect-timeout-s", type=float, default=None)
-    p.add_argument("--state-timeout-s", type=float, default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the daemon's --dtype")
+    p.add_argument("--connect-timeout-s", type=float, default=None,
+                   help="seconds to connect and get hello (default: "
+                        "$WEIGHTCACHE_CONNECT_TIMEOUT_S, else 5)")
+    p.add_argument("--state-timeout-s", type=float, default=None,
+                   help="seconds to get the tensor table and arena (default: "
+                        "$WEIGHTCACHE_STATE_TIMEOUT_S, else 300)")
     p.add_argument("--verify-bytes", action="store_true", help="compare tensors with the disk")
     return p
+
+
+def _fail(code: int, error: str, message: str) -> int:
+    """One JSON line on stdout (for scripts) and the same message as one line on stderr."""
+    print(json.dumps({"error": error, "message": message, "source": None}), flush=True)
+    print(f"weightcache attach: {message}", file=sys.stderr)
+    return code
+
+
+def _cuda_problem(device: str) -> str | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device {device}: no CUDA device is visible here (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device"
+                " cpu, or check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +88,12 @@ def main(argv: list[str]) -> int:
     from .sharding import ShardingError
 
     rules = [] if args.no_shard_rules else args.shard_rule
+    try:
+        problem = _cuda_problem(args.device)
+    except RuntimeError as exc:  # a malformed device string
+        problem = f"--device {args.device}: {exc}"
+    if problem:
+        return _fail(2, "bad_input", problem)
     try:
         result = attach(
             args.model,
@@ -65,14 +111,11 @@ def main(argv: list[str]) -> int:
             device_index=args.device_index,
         )
     except (CheckpointError, ShardingError, ValueError) as exc:
-        print(json.dumps({"error": "bad_input", "message": str(exc)}))
-        return 2
+        return _fail(2, "bad_input", str(exc))
     except WeightCacheError as exc:
-        print(json.dumps({"error": exc.reason, "message": str(exc), "source": None}))
-        return 1
-    except Exception as exc:  # e.g. --device cuda without CUDA: still one JSON line
-        print(json.dumps({"error": "internal", "message": f"{type(exc).__name__}: {exc}"}))
-        return 1
+        return _fail(1, exc.reason, str(exc))
+    except Exception as exc:  # a bug, not the user's input: still one line, never a traceback
+        return _fail(1, "internal", f"{type(exc).__name__}: {exc}")
     summary = result.summary()
     if args.verify_bytes:
         import torch

@@ -266,15 +266,37 @@ def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     return files, None
 
 
+def _hub_id_hint(model_dir: str | os.PathLike) -> str:
+    """A hint when the missing path reads like a Hugging Face model id (`org/name`)."""
+    text = os.fspath(model_dir)
+    parts = text.split("/")
+    if len(parts) == 2 and all(parts) and not text.startswith((".", "~")):
+        return (f" (it looks like a Hugging Face model id: a local directory is needed;"
+                f" download it first, e.g. `hf download {text} --local-dir /models/{parts[1]}`)")
+    return ""
+
+
+def _pickle_hint(path: Path) -> str:
+    """A hint when the directory holds only pickled PyTorch weights (never loaded here)."""
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth"})
+    if not pickled:
+        return ""
+    return (f" (it holds {pickled[0]}: convert the weights to safetensors first, e.g."
+            " transformers' save_pretrained(dir, safe_serialization=True); pickled weights"
+            " are never loaded, they can run code)")
+
+
 def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     path = Path(model_dir)
     if not path.exists():
-        raise CheckpointError(f"model directory {path} does not exist")
+        raise CheckpointError(f"model directory {path} does not exist{_hub_id_hint(model_dir)}")
     if not path.is_dir():
         raise CheckpointError(f"model path {path} is not a directory")
     files, weight_map = _files(path)
     if not files:
-        raise CheckpointError(f"model directory {path} contains no .safetensors files")
+        raise CheckpointError(
+            f"model directory {path} contains no .safetensors files{_pickle_hint(path)}"
+        )
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, Any]] = {}
     for file in files:

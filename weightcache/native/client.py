@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from .errors import WeightCacheError
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
 from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from .presence import loading_daemon
 from .rankplan import plan_rank_shard
 from .security import (
     SecurityError,
@@ -52,6 +54,10 @@ log = logging.getLogger("weightcache.client")
 
 class DaemonUnavailableError(WeightCacheError):
     reason = "unavailable"
+
+
+class DaemonLoadingError(DaemonUnavailableError):
+    """No socket yet, but a daemon holds its lock: it is loading (see `presence.py`)."""
 
 
 class NotReadyError(WeightCacheError):
@@ -93,6 +99,14 @@ class DaemonError(WeightCacheError):
 
 class MissingTensorError(KeyError):
     """materialize(): the module has parameters the state dict does not provide."""
+
+
+class UnexpectedTensorError(KeyError):
+    """materialize(strict=True): the state dict has tensors the module has no place for.
+
+    A checkpoint with more layers than the module (a 4-layer checkpoint into a 3-layer
+    model) would otherwise "load" with a quarter of it silently dropped.
+    """
 
 
 @dataclass
@@ -156,6 +170,12 @@ def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
         owners = trusted_uids()
         check_socket_file(path, owners)
     except FileNotFoundError:
+        loading = loading_daemon(path)
+        if loading:
+            raise DaemonLoadingError(
+                f"no daemon socket at {path} yet: a daemon is loading ({loading} holds"
+                f" {path}.lock); it binds the socket once the shard is loaded, retry then"
+            ) from None
         raise DaemonUnavailableError(f"no daemon socket at {path}") from None
     except SecurityError as exc:
         raise CacheSecurityError(str(exc)) from None
@@ -466,47 +486,97 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(prefix) if prefix else module), attr
 
 
+def non_persistent_buffers(module: nn.Module) -> list[str]:
+    """Names of the buffers registered with `persistent=False` (no checkpoint holds them)."""
+    names = []
+    for name, _ in module.named_buffers(remove_duplicate=False):
+        owner, attr = _owner(module, name)
+        if attr in owner._non_persistent_buffers_set:
+            names.append(name)
+    return names
+
+
 def materialize(
     module: nn.Module,
     state_dict: Mapping[str, torch.Tensor],
     *,
     strict: bool = True,
     requires_grad: bool = False,
+    ignore_unexpected: tuple[str, ...] = (),
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace the (meta) parameters and buffers of `module` with tensors of `state_dict`.
 
     Parameters that are one object in the module (tied) stay one object, and names the state
     dict maps to the same tensor (aliases) become one Parameter. No copy is made.
+
+    Non-persistent buffers (rotary `inv_freq` and the like) are in no checkpoint: one the state
+    dict lacks keeps its value and moves to `device` (default: the state dict's device); one
+    still on the meta device has no value anywhere, which is an error in strict mode (build
+    the module with real buffers, or use `weightcache.client.from_pretrained` for a
+    transformers model). Strict mode also refuses state-dict tensors the module has no place
+    for (`UnexpectedTensorError`), except names matching a regex in `ignore_unexpected` and
+    aliases of a tensor that was used.
     """
-    by_param: dict[int, nn.Parameter] = {}
+    if device is None:
+        first = next(iter(state_dict.values()), None)
+        device = first.device if first is not None else None
+    target = torch.device(device) if device is not None else None
+    # Names per parameter object, so a tied group finds its tensor under any of its names.
+    groups: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+        params[id(param)] = param
     by_tensor: dict[int, nn.Parameter] = {}
+    used: set[int] = set()
     missing: list[str] = []
-    for name, param in list(module.named_parameters(remove_duplicate=False)):
-        new = by_param.get(id(param))
-        if new is None:
-            tensor = state_dict.get(name)
-            if tensor is None:
-                missing.append(name)
-                continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{name}: state dict has shape {list(tensor.shape)}, module {list(param.shape)}"
-                )
-            new = by_tensor.get(id(tensor)) or nn.Parameter(tensor, requires_grad=requires_grad)
-            by_param[id(param)] = new
-            by_tensor[id(tensor)] = new
-        owner, attr = _owner(module, name)
-        owner._parameters[attr] = new
-    for name, buf in list(module.named_buffers(remove_duplicate=False)):
-        tensor = state_dict.get(name)
-        if tensor is None:
-            if buf is not None and buf.device.type == "meta":
-                missing.append(name)
+    for key, names in groups.items():
+        found = next((n for n in names if n in state_dict), None)
+        if found is None:
+            missing.extend(names)
             continue
+        tensor, param = state_dict[found], params[key]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{found}: state dict has shape {list(tensor.shape)}, module {list(param.shape)}"
+            )
+        new = by_tensor.get(id(tensor)) or nn.Parameter(tensor, requires_grad=requires_grad)
+        by_tensor[id(tensor)] = new
+        used.add(id(tensor))
+        for name in names:
+            owner, attr = _owner(module, name)
+            owner._parameters[attr] = new
+    volatile = set(non_persistent_buffers(module))
+    for name, buf in list(module.named_buffers(remove_duplicate=False)):
         owner, attr = _owner(module, name)
-        owner._buffers[attr] = tensor
+        tensor = state_dict.get(name)
+        if tensor is not None:
+            owner._buffers[attr] = tensor
+            used.add(id(tensor))
+        elif buf is None:
+            continue
+        elif buf.device.type == "meta":
+            missing.append(name)
+        elif name in volatile and target is not None and buf.device != target:
+            owner._buffers[attr] = buf.to(target)
     if missing and strict:
-        raise MissingTensorError(f"state dict lacks {len(missing)} tensors: {missing[:8]}")
+        hint = ""
+        if any(n in volatile for n in missing):
+            hint = (" (non-persistent buffers are in no checkpoint: build the module with real"
+                    " buffers, or use weightcache.client.from_pretrained for transformers)")
+        raise MissingTensorError(f"state dict lacks {len(missing)} tensors: {missing[:8]}{hint}")
+    if strict:
+        patterns = [re.compile(p) for p in ignore_unexpected]
+        unexpected = [
+            n for n, t in state_dict.items()
+            if id(t) not in used and not any(p.search(n) for p in patterns)
+        ]
+        if unexpected:
+            raise UnexpectedTensorError(
+                f"the module has no place for {len(unexpected)} tensors of the state dict:"
+                f" {unexpected[:8]} (a checkpoint for another architecture or size?)"
+            )
     return module
 
 
@@ -516,6 +586,7 @@ __all__ = [
     "CacheSecurityError",
     "CheckpointError",
     "DaemonError",
+    "DaemonLoadingError",
     "DaemonUnavailableError",
     "DeviceMismatchError",
     "FingerprintMismatchError",
@@ -523,12 +594,14 @@ __all__ = [
     "NotReadyError",
     "ReleasedError",
     "ShardingError",
+    "UnexpectedTensorError",
     "WeightCacheError",
     "attach",
     "connect",
     "load_from_disk",
     "load_state_dict",
     "materialize",
+    "non_persistent_buffers",
     "query",
     "request",
 ]

@@ -70,6 +70,7 @@ log = logging.getLogger("weightcache.daemon")
 IDLE_TIMEOUT_S = limits.REQUEST_DEADLINE_S  # a request must arrive whole within this
 MAX_CONNECTIONS = limits.MAX_CONNECTIONS
 MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
+ACCEPT_WAKE_S = 0.25  # how often the accept loop lets a pending signal handler run
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
@@ -91,10 +92,16 @@ class Stop(BaseException):
 
 
 class _Serving:
-    """The server and listener of this process once it serves, for the signal handler."""
+    """The server and listener of this process once it serves, for the signal handler.
+
+    `abandon` is true while a signal may abandon the load by raising `Stop`; the handler
+    clears it before raising, so a second signal (the launcher's SIGTERM after a Ctrl-C that
+    reached the whole process group) can never raise again inside the cleanup.
+    """
 
     server: RankServer | None = None
     listener: socket.socket | None = None
+    abandon: bool = True
 
 
 class Stats:
@@ -413,9 +420,15 @@ class RankServer:
             self.stats.adjust("watchers", -1)
 
     def serve(self, listener: socket.socket) -> None:
+        # A process-directed signal may be delivered to any of torch's threads; then the main
+        # thread's accept() is not interrupted and Python's handler would wait for it forever.
+        # Waking up now and then lets the handler run (it then shuts the listener down).
+        listener.settimeout(ACCEPT_WAKE_S)
         while not self.stopping.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self.stopping.is_set():
                     return
@@ -680,6 +693,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         return EXIT_ERROR
     finally:
+        # From here on signals must not interrupt: the cleanup is what they ask for.
+        _Serving.abandon = False
+        _ignore_stop_signals()
         if prefetcher is not None:
             prefetcher.stop()
         _Serving.server = _Serving.listener = None
@@ -695,10 +711,18 @@ def run(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     server, listener = _Serving.server, _Serving.listener
     if server is None or listener is None:
-        raise Stop()
+        if _Serving.abandon:
+            _Serving.abandon = False
+            raise Stop()
+        return
     server.stopping.set()
     # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
     # fail at once, and serve() sees the stop flag.

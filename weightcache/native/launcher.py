@@ -33,10 +33,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from weightcache.cliformat import HelpFormatter
 from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
 from weightcache.contracts.vocabulary import DTYPES, EXIT_BAD_INPUT, EXIT_SECURITY
 
-from .lifetime import request_parent_death_signal
+from .lifetime import python_module, request_parent_death_signal
 from .progress import ProgressPrinter
 
 log = logging.getLogger("weightcache.preload")
@@ -166,9 +167,13 @@ def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServ
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache preload", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="safetensors checkpoint directory")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p = argparse.ArgumentParser(prog="weightcache preload", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="local directory of .safetensors files (and config.json); a hub id "
+                        "must be downloaded first")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel size: one rank per local device, each holding its shard")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="data-parallel replicas in the whole group (a dense model's replicas "
                         "hold identical shards)")
@@ -180,19 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", "-n", type=int, default=1,
                    help="nodes the group spans; node r serves global ranks r*local+i")
     p.add_argument("--node-rank", "-r", type=int, default=0, help="this node's index, 0-based")
-    p.add_argument("--weight-cache-socket-dir", default=None,
+    p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="weight_cache_socket_dir",
+                   default=None,
                    help="socket directory (default: a private per-user dir under the temp dir)")
     p.add_argument("--weight-cache-health-port", type=int, default=None,
                    help="serve GET /health on this port (0: any free port)")
-    p.add_argument("--weight-cache-health-host", default="127.0.0.1")
+    p.add_argument("--weight-cache-health-host", default="127.0.0.1",
+                   help="address the /health endpoint listens on")
     p.add_argument("--weight-cache-allow-uid", type=int, action="append", default=[],
                    help="also accept clients running as this uid (repeatable)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arenas live: cuda needs one visible GPU per local rank")
     p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
                    help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
     p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--transport", default=None, help="arena transport (default: best available)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="dtype the tensors are cached in (auto: as stored); engines must ask "
+                        "for the same one")
+    p.add_argument("--transport", default=None,
+                   help="arena transport: memfd (cpu), cuda_vmm or cuda_ipc (cuda); "
+                        "None picks the best available")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop all ranks when the process that started us dies (for supervisors)")
     return p
@@ -235,6 +247,9 @@ def _validate(args: argparse.Namespace) -> str | None:
         return str(exc)
     devices = _device_count(args.device)
     local = len(args.placements)
+    if args.device == "cuda" and devices == 0:
+        return ("--device cuda: no CUDA device is visible here (torch.cuda.device_count() is 0);"
+                " use --device cpu, or check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
     if local > devices and local == tp:
         return f"--tensor-parallel-size {tp} exceeds the {devices} {args.device} device(s) here"
     if local > devices:
@@ -244,11 +259,18 @@ def _validate(args: argparse.Namespace) -> str | None:
         rules = parse_rules([] if args.no_shard_rules else args.shard_rule)
         ckpt = open_checkpoint(args.model)
         aliases = tied_aliases(ckpt)
+        split = 0
         for name, info in ckpt.tensors.items():
             if name not in aliases:
-                plan_shard(name, info.shape, rules, tp, 0)
+                split += plan_shard(name, info.shape, rules, tp, 0).dim is not None
     except (CheckpointError, ShardingError) as exc:
         return str(exc)
+    if tp > 1 and split == 0 and not args.no_shard_rules:
+        log.warning(
+            "no shard rule matches any of the %d tensor names of %s: every tensor is "
+            "replicated, each of the %d ranks holds the whole model; give --shard-rule "
+            "REGEX=DIM for this architecture (or --no-shard-rules to replicate on purpose)",
+            len(ckpt.tensors), args.model, tp)
     try:
         prepare_socket_dir(args.weight_cache_socket_dir)
     except (SecurityError, OSError) as exc:
@@ -258,7 +280,7 @@ def _validate(args: argparse.Namespace) -> str | None:
 
 def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
     cmd = [
-        sys.executable, "-m", "weightcache.native.daemon",
+        *python_module("weightcache.native.daemon"),
         "--model", args.model,
         "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--rank", str(place.tp_rank),
@@ -337,6 +359,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
     try:
         problem = _validate(args)
+    except KeyboardInterrupt:  # Ctrl-C before anything started: nothing to clean up
+        return 130
     except PermissionError as exc:
         log.error("%s", exc)
         return EXIT_SECURITY
@@ -384,6 +408,8 @@ def main(argv: list[str]) -> int:
         while not stop.is_set():
             for r in ranks:
                 code = r.proc.poll()
+                if code is not None and stop.is_set():
+                    break  # a Ctrl-C reached the rank too (same process group): a clean stop
                 if code is not None:
                     phase = "serving" if announced else "start-up"
                     log.error("rank %d exited with code %d during %s; stopping all ranks",

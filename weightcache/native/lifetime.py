@@ -22,7 +22,9 @@ import sys
 
 _PR_SET_PDEATHSIG = 1
 
-# Runs as `python -S -c SHIM <parent pid> <command...>`: no site import, stdlib only.
+# Runs as `python -I -S -c SHIM <parent pid> <command...>`: isolated (no working directory or
+# PYTHON* variables on its path: a checkout's `operator/` would shadow the standard library),
+# no site import, stdlib only.
 SHIM = (
     "import ctypes, os, signal, sys\n"
     f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
@@ -49,4 +51,15 @@ def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> b
 
 def exiting_with_parent(argv: list[str]) -> list[str]:
     """`argv` run so that it gets SIGTERM when this process dies."""
-    return [sys.executable, "-S", "-c", SHIM, str(os.getpid()), *argv]
+    return [sys.executable, "-I", "-S", "-c", SHIM, str(os.getpid()), *argv]
+
+
+def python_module(module: str) -> list[str]:
+    """`python -P -m module`: run one of our modules in a fresh interpreter from any directory.
+
+    `-m` and `-c` put the working directory first on sys.path, and the repository root has an
+    `operator/` folder that shadows the standard library's `operator` (imports then fail with
+    "cannot import name 'or_' from 'operator'"). `-P` (Python 3.11+) leaves it off and, unlike
+    `-I`, still honours PYTHONPATH, which uninstalled checkouts use.
+    """
+    return [sys.executable, "-P", "-m", module]
