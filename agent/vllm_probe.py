@@ -96,12 +96,21 @@ def _message(reply: dict[str, Any]) -> str:
     return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "..."
 
 
-def socket_path(socket_dir: str, gpu_uuid: str, *, draft: bool = False) -> str:
-    """The path vLLM derives from a GPU UUID (md5 hex of the UUID; `_draft` for drafts)."""
+def safe_hash_hex(data: bytes) -> str:
+    """vLLM's `safe_hash(data)` (vllm/utils/hashing.py) as hex: md5 with
+    `usedforsecurity=True`, sha256 where the host refuses that (FIPS mode raises ValueError,
+    or `UnsupportedDigestmodError` from OpenSSL). Asking for md5 with
+    `usedforsecurity=False` would succeed on such a host and name other sockets than vLLM's.
+    """
     try:
-        gpu_id = hashlib.md5(gpu_uuid.encode(), usedforsecurity=False).hexdigest()
-    except ValueError:  # FIPS builds without md5: vLLM's safe_hash falls back to sha256
-        gpu_id = hashlib.sha256(gpu_uuid.encode()).hexdigest()
+        return hashlib.md5(data, usedforsecurity=True).hexdigest()
+    except ValueError:  # UnsupportedDigestmodError is a ValueError too
+        return hashlib.sha256(data).hexdigest()
+
+
+def socket_path(socket_dir: str, gpu_uuid: str, *, draft: bool = False) -> str:
+    """The path vLLM's `get_socket_path` derives from a GPU UUID (`_draft` for drafts)."""
+    gpu_id = safe_hash_hex(gpu_uuid.encode())
     name = SOCKET_NAME.format(gpu_id=gpu_id, suffix="_draft" if draft else "")
     return os.path.join(socket_dir, name)
 

@@ -18,6 +18,7 @@ from typing import Any
 from weightcache import constants as C
 from weightcache.constants import DEFAULT_PLAN_PATH, DEFAULT_PORTS, default_socket_dir
 from weightcache.contracts.vocabulary import DEVICES, MODES, RUNTIMES
+from weightcache.operator import imageref
 
 # Every object a cache owns is named `<name><suffix>`, and each of those names must itself be
 # valid: the rendezvous Service's name is a DNS-1035 label (at most 63 characters, starting
@@ -84,15 +85,6 @@ SINGLE_NODE_VOLUMES = frozenset(
     {"awsElasticBlockStore", "gcePersistentDisk", "azureDisk", "cinder", "rbd", "iscsi", "fc"}
 )
 
-# Docker image reference: name[:tag][@digest]. The tag must pin a version (the vLLM
-# fingerprint includes it), so a missing tag or `latest` is rejected for runtime vllm.
-_NAME_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
-_DOMAIN = rf"(?:{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?)"
-IMAGE_RE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*)"
-    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
-)
 SHARD_RULE_RE = re.compile(r"^(?P<pattern>.+)=(?P<dim>-?[0-9]+)$")
 RESERVED_PATHS = ("/etc/weightcache", "/proc", "/sys", "/dev")
 
@@ -210,12 +202,6 @@ def layout(spec: dict) -> Parallelism:
     )
 
 
-def parse_image(image: str) -> dict[str, str | None] | None:
-    """Split an image reference into domain, path, tag and digest; None if malformed."""
-    match = IMAGE_RE.match(image)
-    return match.groupdict() if match else None
-
-
 def name_problems(name: str) -> list[Problem]:
     """Problems of a cache's name: every derived object name must be a valid Service name."""
     problems = []
@@ -303,7 +289,7 @@ def _check_runtime(spec: dict) -> list[Problem]:
 
 
 def _check_image(image: str, runtime: str) -> list[Problem]:
-    parts = parse_image(image)
+    parts = imageref.parse(image)
     if parts is None:
         return [
             Problem(
@@ -312,7 +298,9 @@ def _check_image(image: str, runtime: str) -> list[Problem]:
                 "(lower-case repository) or REPOSITORY@sha256:DIGEST",
             )
         ]
-    if runtime == "vllm" and not parts["digest"] and parts["tag"] in (None, "latest"):
+    # The tag must pin a version (the vLLM fingerprint includes it): no tag or `latest`
+    # is rejected for runtime vllm.
+    if runtime == "vllm" and not parts.pins_version:
         return [
             Problem(
                 "spec.image",

@@ -49,6 +49,42 @@ OWNED_FLAGS = frozenset({
 # vLLM normalises every *_mtp method to "mtp"; these draft methods get their own group.
 DRAFT_METHODS = frozenset({"mtp", "eagle", "eagle3"})
 LOOPBACK = ("127.0.0.1", "localhost")
+# Without a method vLLM infers `mtp` from the draft checkpoint's config.json
+# (vllm/config/speculative.py, SpeculativeConfig: `hf_config_override` rewrites the
+# model_type, then `model_type in MTPModelTypes`). The model types and architectures below
+# are the ones whose rewrite ends in an MTP type in vLLM 0.33 (tests/conformance checks each
+# against vLLM's own function); any `*_mtp` model_type is one already.
+MTP_BASE_MODEL_TYPES = frozenset({
+    "dots3_note", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
+    "pangu_ultra_moe", "kimi_k3", "ernie4_5_moe", "qwen3_next", "qwen4_exp", "qwen4_exp_text",
+    "exaone_moe", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text",
+    "longcat_flash",
+})
+MTP_BASE_ARCHITECTURES = frozenset({
+    "MiMoForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+    "GlmOcrForConditionalGeneration",
+})
+
+
+def _is_mtp_checkpoint(model: str) -> bool:
+    """Whether vLLM would infer method `mtp` for a draft checkpoint (its config.json)."""
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"spec.engineArgs.speculativeConfig has no method and the draft's {path} cannot "
+            f"be read ({exc.__class__.__name__}), so the agent cannot tell whether vLLM caches "
+            f"the draft; set speculativeConfig.method"
+        ) from None
+    model_type = str(config.get("model_type") or "")
+    archs = config.get("architectures") or []
+    return (
+        model_type.endswith("_mtp")
+        or model_type in MTP_BASE_MODEL_TYPES
+        or (bool(archs) and archs[0] in MTP_BASE_ARCHITECTURES)
+    )
 
 
 def draft_is_cached(spec_config: dict[str, Any] | None) -> bool:
@@ -61,9 +97,14 @@ def draft_is_cached(spec_config: dict[str, Any] | None) -> bool:
     if method in DRAFT_METHODS:
         return True
     if method in ("", "draft_model"):
-        # vLLM detects EAGLE heads from the draft model's name when no method is given.
-        model = str(spec_config.get("model") or "").lower()
-        return "eagle-" in model or "eagle3" in model
+        # vLLM detects EAGLE heads from the draft model's name when no method is given,
+        # then MTP from the draft checkpoint's model type.
+        model = str(spec_config.get("model") or "")
+        if method == "" and model in ("ngram", "[ngram]"):
+            return False  # vLLM's n-gram proposer: no draft weights
+        if "eagle-" in model.lower() or "eagle3" in model.lower():
+            return True
+        return bool(model) and _is_mtp_checkpoint(model)
     return False
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightcache.contracts import alignment as al
+from weightcache.operator.admission.cmdline import flag_values
 
 ALIGN_FLAGS_TP = ("--tensor-parallel-size", "-tp")
 ALIGN_FLAGS_DP_LOCAL = ("--data-parallel-size-local", "-dpl")
@@ -38,8 +39,6 @@ def inject_alignment(container: dict[str, Any], tokens: list[str], cache: Any, r
 
     `cache` is the webhook's CacheView, `res` its Result (warnings are appended to it).
     """
-    from weightcache.operator.admission.mutate import flag_values
-
     if cache.runtime != "vllm" or cache.tensor <= 1:
         return  # a TP=1 replica hits on whichever GPU it gets
     tp = (flag_values(tokens, *ALIGN_FLAGS_TP) or ["1"])[-1]

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from weightcache.operator import admission
-from weightcache.operator.admission import mutate
+from weightcache.operator import admission, imageref
+from weightcache.operator.admission import cmdline, inject
 from weightcache.operator.admission.config import AdmissionConfig
 
 
@@ -98,16 +98,16 @@ def test_command_line_settings() -> None:
     ],
 )
 def test_argv_kinds(container: dict, kind: str) -> None:
-    assert mutate.parse_argv(container).kind == kind
+    assert cmdline.parse_argv(container).kind == kind
 
 
 def test_flag_forms() -> None:
     tokens = ["vllm", "serve", "m", "--dtype=bfloat16", "-tp", "4", "--load_format", "auto"]
-    assert mutate.flag_values(tokens, "--dtype") == ["bfloat16"]
-    assert mutate.flag_values(tokens, "--tensor-parallel-size", "-tp") == ["4"]
-    assert mutate.flag_values(tokens, "--load-format") == ["auto"]
-    assert mutate.model_arg(tokens) == "m"
-    assert mutate.model_arg(["python", "-m", "x", "--model=/m"]) == "/m"
+    assert cmdline.flag_values(tokens, "--dtype") == ["bfloat16"]
+    assert cmdline.flag_values(tokens, "--tensor-parallel-size", "-tp") == ["4"]
+    assert cmdline.flag_values(tokens, "--load-format") == ["auto"]
+    assert cmdline.model_arg(tokens) == "m"
+    assert cmdline.model_arg(["python", "-m", "x", "--model=/m"]) == "/m"
 
 
 @pytest.mark.parametrize(
@@ -121,14 +121,14 @@ def test_flag_forms() -> None:
     ],
 )
 def test_image_comparison(a: str, b: str, differ: bool) -> None:
-    assert mutate.images_differ(a, b) is differ
+    assert imageref.differ(a, b) is differ
 
 
 def test_isolation_table_covers_every_runtime() -> None:
     from weightcache.operator.spec import RUNTIMES
 
-    assert set(mutate.ISOLATION) == set(RUNTIMES)
-    assert mutate.ISOLATION["vllm"].host_ipc and not mutate.ISOLATION["native"].host_ipc
+    assert set(inject.ISOLATION) == set(RUNTIMES)
+    assert inject.ISOLATION["vllm"].host_ipc and not inject.ISOLATION["native"].host_ipc
 
 
 def test_the_operator_command_line_carries_the_webhook_flags() -> None:
@@ -152,11 +152,12 @@ def test_the_operator_command_line_carries_the_webhook_flags() -> None:
 
 
 def test_shell_words_split_at_operators() -> None:
-    script = "exec vllm serve /m --dtype bfloat16; echo 'a b' # --dtype float16"
-    argv = mutate.parse_argv({"command": ["sh", "-c", script]})
+    script = "echo 'a b' && exec vllm serve /m --dtype bfloat16; # --dtype float16"
+    argv = cmdline.parse_argv({"command": ["sh", "-c", script]})
     assert argv.kind == "shell"
-    assert mutate.flag_values(argv.tokens, "--dtype") == ["bfloat16"]
-    assert "a b" in argv.tokens
+    # the vLLM command's own words: not the echo before it, not the comment after it
+    assert argv.tokens == ["vllm", "serve", "/m", "--dtype", "bfloat16"]
+    assert cmdline.flag_values(argv.tokens, "--dtype") == ["bfloat16"]
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "native"])
@@ -180,7 +181,7 @@ def test_patch_ops_reproduce_the_injected_pod(runtime: str) -> None:
     # Native engines are found by annotation or position: name the engine of the sidecar pod.
     shapes[4]["metadata"]["annotations"]["weightcache.io/container"] = "vllm"
     for pod in shapes:
-        res = mutate.inject(pod, cache)
+        res = inject.inject(pod, cache)
         assert res.ops and res.pod is not pod
-        assert mutate.apply_ops(pod, res.ops) == res.pod
-        assert mutate.inject(res.pod, cache).ops == []
+        assert inject.apply_ops(pod, res.ops) == res.pod
+        assert inject.inject(res.pod, cache).ops == []

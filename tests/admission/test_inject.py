@@ -106,8 +106,11 @@ def test_shell_c_script_is_edited_in_place(webhook: LocalWebhook, make_cache: An
     c = patched["spec"]["containers"][0]
     assert c["command"] == ["/bin/bash", "-c"]
     script = c["args"][0]
-    assert script.startswith("set -e; nvidia-smi -L; exec vllm serve /models/llama-3.1-8b ")
-    assert script.endswith("--port 8000 --max-model-len 8192 && echo done")
+    assert script.startswith(
+        "set -e; nvidia-smi -L; exec vllm serve /models/llama-3.1-8b --port 8000 "
+        "--max-model-len 8192 --load-format ipc_cache "
+    )
+    assert script.endswith("' && echo done")
     # The flags sit inside the vLLM command (before `&&`) and survive shell word splitting.
     tokens = shlex.split(script.split("&&")[0])
     assert tokens[tokens.index("--load-format") + 1] == "ipc_cache"
@@ -143,8 +146,9 @@ def test_lws_leader_and_worker(webhook: LocalWebhook, make_cache: Any) -> None:
     script = patched["spec"]["containers"][0]["command"][2]
     head, _, tail = script.partition("python3 -m vllm.entrypoints.openai.api_server ")
     assert "multi-node-serving.sh leader" in head
-    assert tail.startswith("--load-format ipc_cache --model-loader-extra-config ")
-    assert tail.endswith("--port 8080 --model /models/llama-3.1-8b --tensor-parallel-size 16")
+    # The flags follow the command's last word, so they stay inside that command.
+    assert tail.startswith("--port 8080 --model /models/llama-3.1-8b --tensor-parallel-size 16 ")
+    assert "--tensor-parallel-size 16 --load-format ipc_cache --model-loader-extra-config " in tail
     # The leader mounts a private /dev/shm, which hides the host's: a warning, not a denial.
     assert any("/dev/shm" in w for w in out["warnings"])
 
@@ -366,11 +370,17 @@ def test_mismatches_warn_and_post_an_event(webhook: LocalWebhook, make_cache: An
     assert out["allowed"] is True and "patch" in out  # still injected: fallback stays possible
     text = "\n".join(out["warnings"])
     assert (
-        "serves model '/models/qwen-7b', cache '" + name + "' holds '/models/llama-3.1-8b'" in text
+        "fingerprint field checkpoint: container 'vllm' has '/models/qwen-7b', the cache holds "
+        "'/models/llama-3.1-8b'" in text
     )
-    assert "runs tensor-parallel size 1, cache '" + name + "' holds shards for 2" in text
-    assert "uses dtype auto, cache '" + name + "' holds bfloat16" in text
-    assert "runs image 'vllm/vllm-openai:v0.30.1'" in text and "'vllm/vllm-openai:v0.31.0'" in text
+    assert "fingerprint field tp_size: container 'vllm' has 1, the cache holds 2" in text
+    # no --dtype is `auto`: vLLM reads the checkpoint's dtype, which the webhook cannot
+    assert "could not check the dtype: container 'vllm' uses auto, cache '" + name in text
+    assert "fingerprint field dtype" not in text
+    assert (
+        "fingerprint field vllm_version: container 'vllm' has image 'vllm/vllm-openai:v0.30.1', "
+        "the cache holds image 'vllm/vllm-openai:v0.31.0'" in text
+    )
     deadline = time.monotonic() + 5
     events: list[dict] = []
     while time.monotonic() < deadline and not events:
@@ -381,7 +391,8 @@ def test_mismatches_warn_and_post_an_event(webhook: LocalWebhook, make_cache: An
     assert (ev["type"], ev["reason"]) == ("Warning", "EngineMismatch")
     assert ev["involvedObject"]["kind"] == "WeightCache"
     assert ev["message"].startswith("pod serving/api-server-*: ")
-    assert "tensor-parallel size 1" in ev["message"]
+    assert "fingerprint field tp_size: container 'vllm' has 1, the cache holds 2" in ev["message"]
+    assert "could not check" not in ev["message"]  # events carry differences only
 
 
 def test_dry_run_posts_no_event(webhook: LocalWebhook, make_cache: Any) -> None:

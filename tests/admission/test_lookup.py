@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from tests.admission.conftest import cache_obj
-from weightcache.operator import admission
+from weightcache.operator.admission import lookup
 from weightcache.operator.admission.config import AdmissionConfig
 
 
@@ -23,15 +23,15 @@ class CountingApi:
 
 
 def _lookup(state: Any, index: Any, name: str) -> Any:
-    return asyncio.run(admission._lookup(state, index, "serving", name))
+    return asyncio.run(state(index, "serving", name))
 
 
 def test_fresh_index_copy_needs_no_api_call() -> None:
     cache = cache_obj()
     name = cache["metadata"]["name"]
     api = CountingApi(cache)
-    state = admission._State(config=AdmissionConfig(index_max_age_s=60), api=api)
-    index = {("serving", name): [admission._indexed(cache)]}
+    state = lookup.CacheLookup(config=AdmissionConfig(index_max_age_s=60), api=api)
+    index = {("serving", name): [lookup.indexed(cache)]}
     found = _lookup(state, index, name)
     assert found is not None and found.ref["name"] == name
     assert api.gets == []
@@ -43,8 +43,8 @@ def test_old_index_copy_is_reread_once_then_served_fresh() -> None:
     name = old["metadata"]["name"]
     newer = cache_obj(engine={"mode": "copy"})
     api = CountingApi(newer)
-    state = admission._State(config=AdmissionConfig(index_max_age_s=30), api=api)
-    stale = admission._indexed(old)
+    state = lookup.CacheLookup(config=AdmissionConfig(index_max_age_s=30), api=api)
+    stale = lookup.indexed(old)
     object.__setattr__(stale, "at", stale.at - 31)  # indexed 31 s ago
     index = {("serving", name): [stale]}
     first = _lookup(state, index, name)
@@ -57,8 +57,8 @@ def test_old_index_copy_is_reread_once_then_served_fresh() -> None:
 def test_deleted_cache_is_not_served_from_an_old_copy() -> None:
     cache = cache_obj()
     name = cache["metadata"]["name"]
-    state = admission._State(config=AdmissionConfig(index_max_age_s=1), api=CountingApi(None))
-    stale = admission._indexed(cache)
+    state = lookup.CacheLookup(config=AdmissionConfig(index_max_age_s=1), api=CountingApi(None))
+    stale = lookup.indexed(cache)
     object.__setattr__(stale, "at", stale.at - 5)
     assert _lookup(state, {("serving", name): [stale]}, name) is None
 
@@ -70,7 +70,7 @@ def test_api_failure_falls_back_to_the_old_copy() -> None:
 
     cache = cache_obj()
     name = cache["metadata"]["name"]
-    state = admission._State(config=AdmissionConfig(index_max_age_s=1), api=FailingApi())
-    stale = admission._indexed(cache)
+    state = lookup.CacheLookup(config=AdmissionConfig(index_max_age_s=1), api=FailingApi())
+    stale = lookup.indexed(cache)
     object.__setattr__(stale, "at", stale.at - 5)
     assert _lookup(state, {("serving", name): [stale]}, name) is stale

@@ -122,11 +122,29 @@ def test_mtp_draft_dp_layout():
 @pytest.mark.parametrize(("spec", "cached"), [
     (None, False), ({"method": "ngram", "num_speculative_tokens": 3}, False),
     ({"method": "mtp"}, True), ({"method": "qwen3_next_mtp"}, True), ({"method": "eagle"}, True),
-    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, True), ({"method": "draft_model",
-                                                             "model": "/m/small"}, False),
+    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, True), ({"model": "ngram"}, False),
 ])
 def test_draft_detection(spec, cached):
     assert draft_is_cached(spec) is cached
+
+
+@pytest.mark.parametrize(("config", "method", "cached"), [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "draft_model", False),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, None, False),
+    # vLLM infers mtp from the draft checkpoint (SpeculativeConfig.hf_config_override)
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, None, True),
+    ({"model_type": "deepseek_mtp"}, None, True),
+    ({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}, None, True),
+])
+def test_draft_detection_reads_the_draft_checkpoint(tmp_path, config, method, cached):
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    spec = {"model": str(tmp_path), **({"method": method} if method else {})}
+    assert draft_is_cached(spec) is cached
+
+
+def test_mtp_without_method_and_unreadable_draft_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"set speculativeConfig\.method"):
+        draft_is_cached({"model": str(tmp_path / "missing")})
 
 
 def test_dense_replicas_fill_single_node():

@@ -1,6 +1,8 @@
 """vLLM's own device mapping, run on the CUDA_VISIBLE_DEVICES order the alignment writes.
 
-Needs vLLM's Python sources (skipped without them; CI has no vLLM). vllm/platforms/interface.py
+Needs vLLM's Python sources: tests/conformance/test_alignment_rule.py runs this module in a
+child process with each supported version's install on PYTHONPATH (skipped without them).
+vllm/platforms/interface.py
 imports on CPU; the CUDA platform class needs vLLM's compiled extension, so the one method it
 adds for UUIDs (`NvmlCudaPlatform.device_control_id_to_physical_device_id`: NVML's index of
 the GPU with that UUID) is answered from the simulated node's table. Everything else is vLLM's

@@ -55,12 +55,12 @@ def test_cache_passes_operator_validation_and_matches_the_kind_mount():
 
 
 def test_engine_pod_is_injected_for_the_cache():
-    from weightcache.operator.admission import mutate
+    from weightcache.operator.admission import inject
 
     (cache,) = _docs("cache.yaml")
     (engine,) = _docs("engine.yaml")
     cache["status"] = {"phase": "Ready"}  # the suite starts engines once the cache is Ready
-    result = mutate.inject(engine, mutate.CacheView.from_object(cache))
+    result = inject.inject(engine, inject.CacheView.from_object(cache))
     pod = result.pod
     assert pod["metadata"]["labels"]["weightcache.io/injected"] == "tiny"
     (container,) = pod["spec"]["containers"]

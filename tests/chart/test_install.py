@@ -127,7 +127,8 @@ def _pod_of(deployment: dict) -> dict:
 @pytest.mark.parametrize(("engine", "cache"), [("engines/vllm-llama-8b.yaml", "vllm-llama-8b.yaml"),
                                                ("engines/native-cpu.yaml", "native-cpu.yaml")])
 def test_engine_examples_are_complete_and_injected_without_warnings(engine, cache):
-    from weightcache.operator.admission import mutate
+    from weightcache.operator.admission import inject
+    from weightcache.operator.admission.cacheview import CacheView
 
     docs = _examples(engine)
     for doc in docs:
@@ -138,7 +139,7 @@ def test_engine_examples_are_complete_and_injected_without_warnings(engine, cach
     assert name == wc["metadata"]["name"]
     assert deployment["metadata"]["namespace"] == wc["metadata"]["namespace"]
     wc["status"] = {"phase": "Ready"}
-    result = mutate.inject(_pod_of(deployment), mutate.CacheView.from_object(wc))
+    result = inject.inject(_pod_of(deployment), CacheView.from_object(wc))
     assert not result.warnings, result.warnings
     pod = result.pod
     assert pod["metadata"]["labels"]["weightcache.io/injected"] == name

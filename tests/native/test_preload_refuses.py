@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 from weightcache.native.identity import cpu_identity, socket_path
 from weightcache.testing.processes import Preload, weightcache_cmd
@@ -28,7 +28,8 @@ def error_lines(out: subprocess.CompletedProcess) -> list[str]:
     return [ln for ln in out.stderr.splitlines() if ln.strip()]
 
 
-@settings(max_examples=int(os.environ.get("PRELOAD_EXAMPLES", "12")))
+@settings(max_examples=int(os.environ.get("PRELOAD_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(blob=mutated_file())
 def test_every_file_safetensors_refuses_is_refused_with_exit_2(blob, tmp_path_factory):
     model = tmp_path_factory.mktemp("m")

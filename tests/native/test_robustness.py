@@ -37,13 +37,12 @@ from weightcache.native import protocol as proto
 from weightcache.native.checkpoint import CheckpointError, open_checkpoint
 from weightcache.native.client import WeightCacheError, attach
 
-settings.register_profile(
-    "ci", max_examples=60, deadline=None,
+# Applied per test (not as a global profile, which would change every other hypothesis test
+# in the session): HYPOTHESIS_PROFILE=fuzz (`make fuzz`) runs 3,000 examples per property.
+FUZZ = os.environ.get("HYPOTHESIS_PROFILE") == "fuzz"
+PROFILE = settings(
+    max_examples=3000 if FUZZ else 60, deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-settings.register_profile(
-    "fuzz", max_examples=3000, deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1, "BOOL": 1, "F64": 8}
 
@@ -128,6 +127,7 @@ def safetensors_reads(path: Path) -> dict[str, torch.Tensor] | None:
         return None
 
 
+@PROFILE
 @given(blob=mutated_file())
 def test_mutated_checkpoints_follow_safetensors(blob, tmp_path_factory):
     model = tmp_path_factory.mktemp("m")
@@ -165,6 +165,7 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("fallback", [True, False])
+@PROFILE
 @given(blob=mutated_file())
 def test_attach_raises_only_weightcache_errors(blob, fallback, tmp_path_factory):
     model = tmp_path_factory.mktemp("m")
@@ -370,6 +371,7 @@ table_value = st.one_of(st.none(), st.integers(-(2**70), 2**70), st.text(max_siz
                         st.lists(st.integers(-3, 2**40), max_size=4), st.booleans())
 
 
+@PROFILE
 @given(row=st.integers(0, 10_000), key=st.sampled_from(
     ["name", "dtype", "shape", "stride", "offset", "nbytes", "drop"]), value=table_value)
 def test_any_rewritten_table_is_refused(row, key, value, liar, ckpt):

@@ -233,15 +233,15 @@ async def _load(url: str, ca: str, rate: float, total: int, warmup: int) -> dict
 
 
 def _in_process_ms(n: int = 2000) -> float:
-    """Median time of the pure decision (`mutate.inject` with its JSON-patch diff)."""
-    from weightcache.operator.admission import mutate
+    """Median time of the pure decision (`inject.inject` with its JSON-patch diff)."""
+    from weightcache.operator.admission import inject
 
     pods = _pods()
-    view = mutate.CacheView.from_object(CACHE)
+    view = inject.CacheView.from_object(CACHE)
     times = []
     for i in range(n):
         t0 = time.perf_counter()
-        mutate.inject(pods[i % len(pods)], view)
+        inject.inject(pods[i % len(pods)], view)
         times.append((time.perf_counter() - t0) * 1000)
     return round(statistics.median(times), 4)
 
@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
         floor = f"{base[key]:>9.3f}" if base else f"{'-':>9}"
         print(f"    {key:<18} {result[key]:>9.3f} {floor}")
     print("    (floor: a bare aiohttp HTTPS server answering a fixed review, same load)")
-    print(f"    {'decision_p50_ms':<18} {result['decision_p50_ms']:>9.4f}  (pure mutate.inject)")
+    print(f"    {'decision_p50_ms':<18} {result['decision_p50_ms']:>9.4f}  (pure inject.inject)")
     print(
         f"    errors {result['errors']}, API calls for the cache during the run: "
         f"{result.get('api_calls_for_cache', '?')} (index hit)"

@@ -14,13 +14,12 @@ benchmark all run the exact same decisions. The decisions are:
   becomes a warning instead of a disk fallback nobody notices.
 
 Every step checks before it adds, so admitting an injected pod again changes nothing.
+The command line is read by `cmdline`, the cache by `cacheview`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,13 +29,17 @@ import jsonpatch
 
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, READY_VALUE
+from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
 from weightcache.operator.admission.alignment import inject_alignment
-from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
+from weightcache.operator.admission.cacheview import CacheView
+from weightcache.operator.admission.cmdline import (
+    Argv,
+    flag_values,
+    parse_argv,
+)
 
 SOCKET_VOLUME = "weightcache-sockets"
 LOAD_FORMAT = "ipc_cache"
-SHELLS = {"sh", "bash", "ash", "dash", "zsh", "ksh"}
-VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
 
 
 @dataclass(frozen=True)
@@ -88,191 +91,9 @@ class Result:
     ops: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    differences: list[fingerprint.Difference] = field(default_factory=list)
     container: str | None = None
     pod: dict[str, Any] | None = None  # the injected pod (the request's object when unchanged)
-
-
-# ---------------------------------------------------------------------------- cache settings
-
-
-@dataclass(frozen=True)
-class CacheView:
-    """The parts of a WeightCache that injection reads, with the schema's defaults applied."""
-
-    name: str
-    namespace: str
-    runtime: str
-    image: str | None
-    socket_dir: str
-    mode: str
-    fallback: bool
-    connect_timeout: float
-    state_timeout: float
-    uid: int
-    gid: int
-    model_path: str | None
-    tensor: int
-    dtype: str
-    phase: str | None
-
-    @classmethod
-    def from_object(cls, obj: dict[str, Any]) -> CacheView:
-        meta = obj.get("metadata") or {}
-        spec = obj.get("spec") or {}
-        name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-        engine = {**DEFAULT_ENGINE, **(spec.get("engine") or {})}
-        run_as = {**DEFAULT_RUN_AS, **(spec.get("runAs") or {})}
-        return cls(
-            name=name,
-            namespace=namespace,
-            runtime=spec.get("runtime") or "native",
-            image=spec.get("image") or None,
-            socket_dir=spec.get("socketDir") or C.default_socket_dir(namespace, name),
-            mode=str(engine["mode"]),
-            fallback=bool(engine["fallback"]),
-            connect_timeout=float(engine["connectTimeoutSeconds"]),
-            state_timeout=float(engine["stateTimeoutSeconds"]),
-            uid=int(run_as["uid"]),
-            gid=int(run_as["gid"]),
-            model_path=(spec.get("model") or {}).get("path"),
-            tensor=int((spec.get("parallelism") or {}).get("tensor") or 1),
-            dtype=str((spec.get("engineArgs") or {}).get("dtype") or "auto"),
-            phase=(obj.get("status") or {}).get("phase"),
-        )
-
-
-# ---------------------------------------------------------------------------- command lines
-
-
-@dataclass
-class Argv:
-    """Where a container's command line lives and how to append to it.
-
-    kind: `list` (vLLM in command/args), `shell` (vLLM inside a `sh -c` string),
-    `entrypoint` (no command: the image's entrypoint gets args), `none` (some other program).
-    """
-
-    kind: str
-    tokens: list[str]
-    shell_field: str | None = None  # "command" or "args" holding the script
-    shell_index: int | None = None
-
-
-# Where flags go in a shell script: right after `vllm serve [MODEL]` or the server module, so
-# they stay inside that command whatever follows it in the script.
-_SERVE_RE = re.compile(
-    r"(?:\bvllm\s+serve\b(?:[ \t]+(?![-'\"$])[^\s;&|()<>]+)?"
-    r"|-m\s+(?:" + "|".join(re.escape(m) for m in VLLM_SERVER_MODULES) + r")\b)"
-)
-
-
-def _runs_vllm(tokens: list[str]) -> bool:
-    for i, tok in enumerate(tokens):
-        base = tok.rsplit("/", 1)[-1]
-        if base == "vllm" and i + 1 < len(tokens) and tokens[i + 1] == "serve":
-            return True
-        if tok == "-m" and i + 1 < len(tokens) and tokens[i + 1] in VLLM_SERVER_MODULES:
-            return True
-        if tok in VLLM_SERVER_MODULES:
-            return True
-    return False
-
-
-def _shell_script(container: dict[str, Any]) -> tuple[str, int, str] | None:
-    """Find `sh -c SCRIPT` in command+args; return (field, index, script)."""
-    command = list(container.get("command") or [])
-    args = list(container.get("args") or [])
-    argv = command + args
-    if not argv or argv[0].rsplit("/", 1)[-1] not in SHELLS:
-        return None
-    for i, tok in enumerate(argv[1:], start=1):
-        if tok.startswith("-") and not tok.startswith("--") and "c" in tok[1:]:
-            if i + 1 >= len(argv):
-                return None
-            j = i + 1
-            return (
-                ("command", j, argv[j]) if j < len(command) else ("args", j - len(command), argv[j])
-            )
-        if not tok.startswith("-"):
-            return None
-    return None
-
-
-CACHED_SCRIPT_CHARS = 8192  # longer scripts are split every time (bounds the cache's memory)
-
-
-def _split_script(script: str) -> tuple[str, ...]:
-    """Shell words of a script, with `;`, `&&`, `|` ... as words of their own.
-
-    Cached: the pods of one Deployment or LeaderWorkerSet carry the same script, and shlex
-    reads character by character (a quarter of a millisecond for a typical script).
-    """
-    if len(script) <= CACHED_SCRIPT_CHARS:
-        return _split_cached(script)
-    return _split_uncached(script)
-
-
-@functools.lru_cache(maxsize=512)
-def _split_cached(script: str) -> tuple[str, ...]:
-    return _split_uncached(script)
-
-
-def _split_uncached(script: str) -> tuple[str, ...]:
-    lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    lexer.commenters = "#"
-    try:
-        return tuple(lexer)
-    except ValueError:  # unbalanced quotes: fall back to whitespace
-        return tuple(script.split())
-
-
-def parse_argv(container: dict[str, Any]) -> Argv:
-    shell = _shell_script(container)
-    if shell is not None:
-        fld, idx, script = shell
-        tokens = list(_split_script(script))
-        if _SERVE_RE.search(script):
-            return Argv("shell", tokens, fld, idx)
-        return Argv("none", tokens, fld, idx)
-    command = list(container.get("command") or [])
-    args = list(container.get("args") or [])
-    tokens = command + args
-    if _runs_vllm(tokens):
-        return Argv("list", tokens)
-    if not command and (not args or args[0].startswith("-")):
-        return Argv("entrypoint", tokens)
-    return Argv("none", tokens)
-
-
-def flag_values(tokens: list[str], *names: str) -> list[str]:
-    """Values of a flag given as `--flag value` or `--flag=value` (dashes or underscores)."""
-    wanted = {n.replace("_", "-") for n in names}
-    found: list[str] = []
-    for i, tok in enumerate(tokens):
-        if not tok.startswith("-"):
-            continue
-        key, eq, value = tok.partition("=")
-        if key.replace("_", "-") not in wanted:
-            continue
-        if eq:
-            found.append(value)
-        elif i + 1 < len(tokens):
-            found.append(tokens[i + 1])
-    return found
-
-
-def model_arg(tokens: list[str]) -> str | None:
-    """The engine's model: `--model X` or the positional after `vllm serve`."""
-    values = flag_values(tokens, "--model")
-    if values:
-        return values[-1]
-    for i, tok in enumerate(tokens):
-        if tok.rsplit("/", 1)[-1] == "vllm" and i + 2 < len(tokens) and tokens[i + 1] == "serve":
-            candidate = tokens[i + 2]
-            if not candidate.startswith("-"):
-                return candidate
-    return None
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -312,32 +133,18 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def _image_ref(image: str) -> tuple[str, str | None, str | None]:
-    """(repository, tag, digest) with Docker Hub's implicit prefixes made explicit."""
-    ref, _, digest = image.partition("@")
-    slash = ref.rfind("/")
-    colon = ref.rfind(":")
-    tag = None
-    if colon > slash:
-        ref, tag = ref[:colon], ref[colon + 1 :]
-    first = ref.split("/", 1)[0]
-    if "/" not in ref:
-        ref = f"docker.io/library/{ref}"
-    elif not ("." in first or ":" in first or first == "localhost"):
-        ref = f"docker.io/{ref}"
-    if tag is None and not digest:
-        tag = "latest"
-    return ref, tag, digest or None
-
-
-def images_differ(pod_image: str, cache_image: str) -> bool:
-    a, b = _image_ref(pod_image), _image_ref(cache_image)
-    if a[2] and b[2]:
-        return a[2] != b[2]
-    return (a[0], a[1]) != (b[0], b[1])
-
-
 # ---------------------------------------------------------------------------- engine container
+
+
+def _parse_argv(container: dict[str, Any]) -> Argv:
+    try:
+        return parse_argv(container)
+    except shellscript.Unclear as exc:
+        raise Denied(
+            f"container {container.get('name')!r}: {exc}, so the webhook cannot be sure where "
+            f"vLLM's loader flags belong; put the vLLM command in command/args, or run it "
+            f"directly in the script (sh -c 'exec vllm serve ...')"
+        ) from None
 
 
 def find_engine(pod: dict[str, Any], runtime: str) -> int:
@@ -356,7 +163,7 @@ def find_engine(pod: dict[str, Any], runtime: str) -> int:
         )
     if runtime == "vllm":
         for i, c in enumerate(containers):
-            if parse_argv(c).kind in {"list", "shell"}:
+            if _parse_argv(c).kind in {"list", "shell"}:
                 return i
     return 0
 
@@ -401,17 +208,44 @@ def _inject_flags(
         _check_user_config(configs[-1], cache, name, res)
     else:
         new += ["--model-loader-extra-config", wanted_config]
-    if not new:
-        return
     if argv.kind == "shell":
-        holder = container[argv.shell_field]  # type: ignore[index]
-        script = holder[argv.shell_index]
-        match = _SERVE_RE.search(script)
-        assert match is not None
-        insert = " " + " ".join(shlex.quote(t) for t in new)
-        holder[argv.shell_index] = script[: match.end()] + insert + script[match.end() :]
-    else:
+        _insert_into_script(container, argv, cache, mode, fallback, res)
+    elif new:
         container["args"] = [*list(container.get("args") or []), *new]
+
+
+def _insert_into_script(
+    container: dict[str, Any], argv: Argv, cache: CacheView, mode: str, fallback: bool, res: Result
+) -> None:
+    """Append the missing flags to every vLLM command of the script, after its last word.
+
+    From the last command to the first, so earlier offsets stay valid. The first command
+    was checked by `_inject_flags`; the others are checked the same way here.
+    """
+    holder = container[argv.shell_field]  # type: ignore[index]
+    script = holder[argv.shell_index]
+    for cmd in reversed(argv.commands):
+        tokens = list(cmd.words)
+        formats = flag_values(tokens, "--load-format")
+        if formats and formats[-1] != LOAD_FORMAT:
+            raise Denied(
+                f"container {container.get('name')!r} runs a vLLM command with --load-format "
+                f"{formats[-1]}, which conflicts with the weight cache (it needs --load-format "
+                f"{LOAD_FORMAT}); remove that flag, or remove the {C.ANN_CACHE} annotation"
+            )
+        new: list[str] = []
+        if not formats:
+            new += ["--load-format", LOAD_FORMAT]
+        configs = flag_values(tokens, "--model-loader-extra-config")
+        if configs:
+            if cmd is not argv.commands[0]:
+                _check_user_config(configs[-1], cache, container.get("name"), res)
+        else:
+            new += ["--model-loader-extra-config", extra_config(cache, mode, fallback)]
+        if new:
+            insert = " " + " ".join(shlex.quote(t) for t in new)
+            script = script[: cmd.insert_at] + insert + script[cmd.insert_at :]
+    holder[argv.shell_index] = script
 
 
 def _check_user_config(raw: str, cache: CacheView, name: str | None, res: Result) -> None:
@@ -424,6 +258,13 @@ def _check_user_config(raw: str, cache: CacheView, name: str | None, res: Result
         ) from None
     if not isinstance(given, dict):
         raise Denied(f"container {name!r}: --model-loader-extra-config must be a JSON object")
+    refused = loaderconfig.problems(given)
+    if refused:
+        raise Denied(
+            f"container {name!r} sets --model-loader-extra-config that vLLM's ipc_cache loader "
+            f"refuses at start (the engine would not start): {'; '.join(refused)}; fix it or "
+            f"drop the flag and let the webhook set it"
+        )
     socket_dir = given.get("socket_dir")
     if socket_dir is None and "socket_path" not in given:
         res.mismatches.append(
@@ -501,6 +342,17 @@ def _inject_identity(
             f"the socket check is on the uid, so this works, but files the daemon shares are "
             f"group-owned by {cache.gid}"
         )
+    non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+    if non_root is True and cache.uid == 0:
+        # The kubelet refuses to start it: "container's runAsUser breaks non-root policy"
+        # (pkg/kubelet/kuberuntime/security_context_others.go, verifyRunAsNonRoot).
+        where = "its securityContext" if "runAsNonRoot" in sc else "the pod's securityContext"
+        raise Denied(
+            f"container {name!r} sets runAsNonRoot: true ({where}), but cache {cache.name!r} "
+            f"runs as uid 0 and its daemon accepts only that uid, so the engine must run as "
+            f"root and the kubelet would refuse to start it; set the cache's runAs.uid to a "
+            f"non-root uid, or drop runAsNonRoot"
+        )
     changed = False
     if uid is None:
         sc["runAsUser"] = cache.uid
@@ -553,34 +405,10 @@ def _inject_affinity(spec: dict[str, Any], cache: CacheView) -> None:
 def _check_mismatches(container: dict[str, Any], argv: Argv, cache: CacheView, res: Result) -> None:
     if cache.runtime != "vllm":
         return
-    name = container.get("name")
-    tail = "; the engine's fingerprint will not match and it falls back to loading from disk"
-    model = model_arg(argv.tokens)
-    if model is not None and cache.model_path and model.rstrip("/") != cache.model_path.rstrip("/"):
-        res.mismatches.append(
-            f"container {name!r} serves model {model!r}, cache {cache.name!r} holds "
-            f"{cache.model_path!r}; unless both hold the same checkpoint the fingerprint will "
-            f"not match and the engine falls back to loading from disk"
-        )
-    tp_values = flag_values(argv.tokens, "--tensor-parallel-size", "-tp")
-    tp = tp_values[-1] if tp_values else "1"
-    if tp != str(cache.tensor) and argv.kind != "none":
-        res.mismatches.append(
-            f"container {name!r} runs tensor-parallel size {tp}, cache {cache.name!r} holds "
-            f"shards for {cache.tensor}{tail}"
-        )
-    dtypes = flag_values(argv.tokens, "--dtype")
-    dtype = dtypes[-1] if dtypes else "auto"
-    if dtype != cache.dtype and argv.kind != "none":
-        res.mismatches.append(
-            f"container {name!r} uses dtype {dtype}, cache {cache.name!r} holds {cache.dtype}{tail}"
-        )
-    image = container.get("image")
-    if cache.image and image and images_differ(image, cache.image):
-        res.mismatches.append(
-            f"container {name!r} runs image {image!r}, cache {cache.name!r} was loaded by "
-            f"{cache.image!r}; the fingerprint includes the vLLM version{tail}"
-        )
+    diffs, notes = fingerprint.compare(container, argv, cache)
+    res.differences += diffs
+    res.mismatches += [str(d) for d in diffs]
+    res.warnings += notes
 
 
 def _copy(value: Any) -> Any:
@@ -660,7 +488,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
     spec = new["spec"]
     container = spec["containers"][index]
     res.container = container.get("name")
-    argv = parse_argv(container)
+    argv = _parse_argv(container)
 
     if cache.runtime == "native":
         _inject_env(container, cache, mode, fallback)
@@ -678,6 +506,8 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
     _inject_identity(spec, container, cache, res)
     _inject_isolation(spec, container, cache, res)
     _inject_affinity(spec, cache)
+    # Pod-level checks that read the injected pod (Pod Security warnings, GPU alignment)
+    # are one call each here: after every injector, before the patch is computed.
     new["metadata"]["labels"][C.LABEL_INJECTED] = cache.name
     if cache.phase != "Ready":
         label = C.node_ready_label(cache.namespace, cache.name)
