@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "preload": ("weightcache.native.launcher", "native weight cache daemon (one rank per device)"),
     "attach": ("weightcache.native.attach", "attach like a restarting engine, print one JSON line"),
+    "digest": ("weightcache.native.content", "full content digest of a checkpoint (for an audit)"),
     "bench": ("weightcache.bench.report", "benchmarks: attach vs. disk load, operator, admission"),
     "demo": ("weightcache.bench.demo", "end-to-end demo on a generated checkpoint"),
     "agent": ("weightcache.agent.main", "node agent: supervise daemon ranks, gRPC, metrics"),

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
+    "identity": "weightcache.bench.identity",
     "gpu": "weightcache.bench.gpu",
     "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",

@@ -25,9 +25,11 @@ def plan_rank_shard(
     tp_size: int,
     tp_rank: int,
     dtype: str,
+    content: Any = None,
 ) -> tuple[ArenaLayout, dict[str, Any]]:
     """The arena layout of rank `tp_rank`'s shard and its fingerprint (ShardingError if the
-    rules cannot split a tensor)."""
+    rules cannot split a tensor). `content`: the client's claim (content.sample_claim); the
+    daemon fills in its content root once it has digested the files."""
     layout = plan_layout(
         ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
     )
@@ -38,5 +40,6 @@ def plan_rank_shard(
         dtype=dtype,
         shard_rules=[r.text for r in rules],
         aliases=layout.aliases,
+        content=content,
     )
     return layout, fingerprint
