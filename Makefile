@@ -17,7 +17,7 @@ VLLM_DIR := $(VENV)/vllm
 VLLM_REQS := tests/conformance/requirements-vllm-cpu.txt
 
 .PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean \
-  vllm-conformance conformance images chart
+  vllm-conformance conformance images chart fuzz
 
 all: test
 
@@ -63,6 +63,11 @@ test: $(STAMP) tools prometheus vllm-conformance
 	$(BIN)/ruff check .
 	$(BIN)/python -P -m weightcache.testing.layering  # lint-imports over the installed layout
 	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -rs
+
+# The property tests of the native cache with many more examples (minutes, not seconds).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz PRELOAD_EXAMPLES=150 $(BIN)/python -m pytest -q -p no:logging --hypothesis-show-statistics \
+	  tests/native/test_robustness.py tests/native/test_preload_refuses.py
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m gpu tests

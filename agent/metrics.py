@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import Snapshot, State, Supervisor
+from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
 
 # Every cache series names the cache, its namespace and the node; rank series also carry the
 # GPU as DCGM exporter labels it (`UUID`, `Hostname`), so they join with DCGM_FI_DEV_* series
@@ -36,6 +37,9 @@ KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watc
                             "get_table", "update_stage", "update_pause", "update_write",
                             "update_finish", "update_abort"})
 UPDATE_RESULTS = frozenset({"ok", "refused", "timeout", "aborted", "failed"})
+# Mismatch labels: the fingerprint's fixed fields; anything else a daemon reports is `other`.
+MISMATCH_FIELDS = frozenset(FINGERPRINT_FIELDS)
+MAX_BUCKETS = 32  # histogram bounds taken from the daemons' stats (theirs are 14 + Inf)
 
 
 def result_class(result: str) -> str:
@@ -131,19 +135,27 @@ class AgentCollector(Collector):
                 if not st:
                     continue
                 src = (r.spec.global_rank, r.spec.role)
-                for cmd, per in (st.get("requests") or {}).items():
+                # Folded into fixed label sets first, then observed once per series, so
+                # values folded together never look like a counter reset.
+                folded: dict[tuple, float] = {}
+                for cmd, per in _items(st.get("requests")):
                     command = cmd if cmd in KNOWN_COMMANDS else "other"
-                    for result, n in (per or {}).items():
-                        self._acc.observe(src, ("req", command, result_class(str(result))),
-                                          _num(n))
-                for fld, n in (st.get("mismatches") or {}).items():
-                    self._acc.observe(src, ("mm", str(fld)[:64]), _num(n))
+                    for result, n in _items(per):
+                        key = ("req", command, result_class(str(result)))
+                        folded[key] = folded.get(key, 0.0) + _num(n)
+                for fld, n in _items(st.get("mismatches")):
+                    key = ("mm", fld if fld in MISMATCH_FIELDS else "other")
+                    folded[key] = folded.get(key, 0.0) + _num(n)
                 hist = st.get("attach_seconds") or {}
-                for bound, n in hist.get("buckets") or []:
-                    le = "+Inf" if str(bound) == "+Inf" else repr(float(bound))
+                for pair in (hist.get("buckets") or [])[:MAX_BUCKETS]:
+                    le = _bound(pair)
+                    if le is None:
+                        continue
                     if le not in buckets:
                         buckets.append(le)
-                    self._acc.observe(src, ("bucket", le), _num(n))
+                    folded[("bucket", le)] = _num(pair[1])
+                for key, n in folded.items():
+                    self._acc.observe(src, key, n)
                 self._acc.observe(src, ("hsum",), _num(hist.get("sum", 0)))
                 upd = st.get("updates") or {}
                 if upd:
@@ -211,6 +223,19 @@ class AgentCollector(Collector):
                 pairs = [(b[0], totals[b]) for b in bounds] + [("+Inf", totals.get(("+Inf",), 0))]
                 family.add_metric(where, pairs, total_sum)
             yield family
+
+
+def _items(value: Any) -> list[tuple[Any, Any]]:
+    return list(value.items()) if isinstance(value, dict) else []
+
+
+def _bound(pair: Any) -> str | None:
+    """The `le` label of one [bound, count] pair, or None when it is not one."""
+    if not isinstance(pair, list | tuple) or len(pair) != 2:
+        return None
+    if str(pair[0]) == "+Inf":
+        return "+Inf"
+    return repr(float(pair[0])) if isinstance(pair[0], int | float) else None
 
 
 def _num(value: Any) -> float:

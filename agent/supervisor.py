@@ -91,6 +91,11 @@ class Policy:
     backoff_max: float = 60.0
     max_load_failures: int = 3
     stop_grace: float = 15.0
+    # A ready rank is pinged this often; LIVENESS_FAILURES unanswered pings in a row (a
+    # stopped or hung process keeps its socket and watch open) count as a dead rank.
+    liveness_interval: float = 1.0
+    liveness_timeout: float = 1.0
+    liveness_failures: int = 2
 
 
 class Supervisor:
@@ -119,6 +124,8 @@ class Supervisor:
         self._launched_at = 0.0
         self._next_launch: float | None = time.monotonic()
         self._last_refresh = 0.0
+        self._last_liveness = 0.0
+        self._missed: dict[int, int] = {}
         self._watches: dict[int, socket.socket] = {}
         self._healthy = False
         self._stop_reason = ""
@@ -239,6 +246,15 @@ class Supervisor:
                     f"rank {self.ranks[index].spec.global_rank} ({self.ranks[index].spec.role}) "
                     "exited: its watch connection closed", only=index)
             return
+        stuck = self._unresponsive(now)
+        if stuck is not None:
+            index, why = stuck
+            with self._lock:
+                if self._child is not None:
+                    self._on_failure(
+                        f"rank {self.ranks[index].spec.global_rank} "
+                        f"({self.ranks[index].spec.role}) does not answer: {why}", only=index)
+            return
         self._probe(now)
         with self._lock:
             loading = any(r.state == State.LOADING for r in self.ranks)
@@ -336,6 +352,25 @@ class Supervisor:
                 self.load_failures = 0
                 log.info("all %d local rank(s) ready (epoch %d)", len(self.ranks), self.epoch)
 
+    def _unresponsive(self, now: float) -> tuple[int, str] | None:
+        """Ping ready ranks (outside the state lock); the first that missed too many pings."""
+        alive = getattr(self.runtime, "liveness", None)
+        if alive is None or now - self._last_liveness < self.policy.liveness_interval:
+            return None
+        self._last_liveness = now
+        with self._lock:
+            todo = [(i, r.spec) for i, r in enumerate(self.ranks) if r.state == State.READY]
+        for i, spec in todo:
+            why = alive(spec, self.policy.liveness_timeout)
+            if why is None:
+                self._missed.pop(i, None)
+                continue
+            self._missed[i] = self._missed.get(i, 0) + 1
+            if self._missed[i] >= self.policy.liveness_failures:
+                self._missed.pop(i, None)
+                return i, why
+        return None
+
     def _open_watch(self, index: int, spec: RankSpec) -> None:
         try:
             sock = self.runtime.watch(spec, self.policy.probe_timeout)
@@ -381,7 +416,9 @@ class Supervisor:
                 self._set(r, State.FAILED, why)
         if self.cfg.multi_node and only is not None and self._child is not None:
             # The other local ranks still serve valid shards: keep them until the new epoch.
-            self._watches.pop(only).close()
+            watch = self._watches.pop(only, None)
+            if watch is not None:
+                watch.close()
             self.held = True
             self.message = f"held for a new epoch: {why}"
             return
@@ -487,6 +524,7 @@ class PortInUse(Exception):
 def _terminate_group(child: subprocess.Popen[bytes], grace: float) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGTERM)
+        os.killpg(child.pid, signal.SIGCONT)  # a stopped rank must run to handle SIGTERM
     try:
         child.wait(timeout=grace)
     except subprocess.TimeoutExpired:

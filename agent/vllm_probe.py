@@ -11,6 +11,12 @@ daemon reply to these two requests never contains anything else: `get_memory` an
 `{"status": "ok", "memory_bytes": int}`, `watch` answers `{"status": "ok"}` and then holds
 the connection open until the daemon exits. Replies are also bounded to `MAX_REPLY_BYTES`.
 
+Bounded bytes do not bound work: pickle's memo lets 4 KB describe a list that refers to
+itself twice at every level, 2**1000 nodes when walked, and formatting it (`repr`, an
+f-string) never ends. So a decoded reply is walked once with a budget (`check_plain`:
+MAX_NODES visits, MAX_DEPTH levels, shared references counted every time) before anything
+reads it, and only a `str` message, cut to MAX_MESSAGE characters, is ever formatted.
+
 Requests go only to sockets that `socket_is_ours` accepts (our uid, our private directory,
 no symlinks). The request bytes are constant pickles of plain dicts built here.
 """
@@ -28,6 +34,10 @@ from typing import Any
 
 _LEN = struct.Struct("!Q")
 MAX_REPLY_BYTES = 64 * 1024
+MAX_NODES = 10_000
+MAX_DEPTH = 32
+MAX_MESSAGE = 200
+_SCALARS = (str, bytes, int, float, bool, type(None))
 SOCKET_NAME = "vllm_weight_cache_{gpu_id}{suffix}.sock"
 # Built once from literals: protocol 4 is what every supported Python can read.
 _REQUESTS = {
@@ -51,6 +61,39 @@ class SafeUnpickler(pickle.Unpickler):
 
 def safe_loads(data: bytes) -> Any:
     return SafeUnpickler(io.BytesIO(data)).load()
+
+
+def check_plain(value: Any) -> None:
+    """Raise ProbeError unless `value` is plain data within MAX_NODES and MAX_DEPTH.
+
+    Iterative, and every visit counts, so a structure of shared references costs at most
+    MAX_NODES steps however large it would be when walked."""
+    budget = MAX_NODES
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise ProbeError(f"reply has more than {MAX_NODES} values (refusing to walk it)")
+        if depth > MAX_DEPTH:
+            raise ProbeError(f"reply is nested deeper than {MAX_DEPTH}")
+        if isinstance(item, _SCALARS):
+            continue
+        if isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((k, depth + 1))
+                stack.append((v, depth + 1))
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            raise ProbeError(f"reply holds a {type(item).__name__}")
+
+
+def _message(reply: dict[str, Any]) -> str:
+    msg = reply.get("message", "")
+    if not isinstance(msg, str):
+        return f"<{type(msg).__name__}>"
+    return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "..."
 
 
 def safe_hash_hex(data: bytes) -> str:
@@ -103,8 +146,11 @@ def _exchange(path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[
             raise ProbeError(f"undecodable reply: {exc}") from exc
         if not isinstance(reply, dict):
             raise ProbeError(f"reply is a {type(reply).__name__}, not a dict")
-        if reply.get("status") != "ok":
-            raise ProbeError(f"daemon answered {reply.get('status')!r}: {reply.get('message', '')}")
+        check_plain(reply)
+        status = reply.get("status")
+        if status != "ok":
+            shown = repr(status)[:MAX_MESSAGE] if isinstance(status, _SCALARS) else "<value>"
+            raise ProbeError(f"daemon answered {shown}: {_message(reply)}")
         return sock, reply
     except OSError as exc:
         sock.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from typing import Any
 
 from weightcache.agent.config import AgentConfig, ConfigError
@@ -178,6 +179,26 @@ class NativeRuntime(Runtime):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             return Probe(ok=False, error=f"get_memory returned bad bytes {nbytes!r}")
         return Probe(ok=True, bytes=nbytes, stats=stats if stats.get("ok") else None)
+
+    def liveness(self, rank: RankSpec, timeout: float) -> str | None:
+        """None when the rank answers `hello` within `timeout` (any reply, even `busy`,
+        proves the process runs); otherwise why not. A SIGSTOPped or hung rank still has
+        its socket and its watch connection, so only an answer tells it apart."""
+        why = socket_is_ours(rank.socket_path, self.cfg.socket_dir)
+        if why:
+            return why
+        deadline = time.monotonic() + timeout
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                sock.connect(rank.socket_path)
+                protocol.send_frame(sock, {"cmd": "hello"})
+                protocol.recv_frame(sock, max_frame=1 << 20, deadline=deadline)
+        except TimeoutError:
+            return f"no answer to hello within {timeout:g}s"
+        except (OSError, protocol.ProtocolError) as exc:
+            return f"hello failed: {exc}"
+        return None
 
     def watch(self, rank: RankSpec, timeout: float) -> socket.socket | None:
         if socket_is_ours(rank.socket_path, self.cfg.socket_dir):

@@ -114,3 +114,71 @@ def test_counter_accumulator_survives_daemon_restart():
     assert acc.totals("req") == {("get_state", "ok"): 8}
     assert [result_class(r) for r in ("ok", "fingerprint_mismatch", "released", "x")] == [
         "ok", "mismatch", "error", "error"]
+
+
+def test_mismatch_labels_come_from_a_fixed_set():
+    """A daemon (or anything on its socket) reporting 24k mismatch fields adds one series
+    `other`, not 24k; the fingerprint's own fields keep their names."""
+    from types import SimpleNamespace
+
+    from weightcache.agent.metrics import AgentCollector
+    from weightcache.agent.runtimes.base import RankSpec
+    from weightcache.agent.supervisor import RankStatus, Snapshot, State
+
+    spec = RankSpec(role="target", global_rank=0, tp_rank=0, dp_rank=0, local_index=0,
+                    device=SimpleNamespace(uuid="cpu-x-0"), socket_path="/nonexistent")
+    stats = {"mismatches": {"content": 3, **{f"junk{i}": 1 for i in range(24_000)}},
+             "requests": {"get_state": {"ok": 1, **{f"e{i}": 1 for i in range(100)}},
+                          **{f"cmd{i}": {"ok": 1} for i in range(100)}},
+             "attach_seconds": {"buckets": [[i, 1] for i in range(1000)], "sum": 1.0},
+             "watchers": 1}
+    snap = Snapshot(ranks=[RankStatus(spec=spec, state=State.READY, stats=stats)], epoch=1,
+                    restarts=0, held=False, released=False, ready=True, alive=True, message="")
+    supervisor = SimpleNamespace(snapshot=lambda: snap,
+                                 runtime=SimpleNamespace(collect_stats=lambda: True))
+    cfg = SimpleNamespace(env=SimpleNamespace(cache="c", namespace="n", node="x"),
+                          plan=SimpleNamespace(runtime="native"))
+    families = {m.name: m for m in AgentCollector(cfg, supervisor).collect()}
+    fields = {s.labels["field"]: s.value for s in families["weightcache_fingerprint_mismatches"]
+              .samples}
+    assert fields == {"content": 3.0, "other": 24_000.0}
+    requests = {(s.labels["command"], s.labels["result"]) for s in
+                families["weightcache_daemon_requests"].samples}
+    assert requests == {("get_state", "ok"), ("get_state", "error"), ("other", "ok")}
+    assert len(families["weightcache_attach_duration_seconds"].samples) <= 32 + 3
+
+
+def test_a_reply_of_shared_references_is_refused_fast(tmp_path):
+    """4 KB of pickle that describes 2**60 list nodes through the memo: the probe refuses
+    it after a bounded walk instead of formatting it (the unbounded version ran 29 s and
+    ended in MemoryError). A real Unix socket plays the daemon."""
+    import socket
+    import struct
+    import threading
+
+    from weightcache.agent import vllm_probe
+
+    bomb: list = []
+    for _ in range(60):
+        bomb = [bomb, bomb]
+    payload = pickle.dumps({"status": "error", "message": bomb}, protocol=4)
+    assert len(payload) < 4096
+    path = str(tmp_path / "vllm.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            (n,) = struct.unpack("!Q", conn.recv(8))
+            conn.recv(n)
+            conn.sendall(struct.pack("!Q", len(payload)) + payload)
+
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(vllm_probe.ProbeError, match=r"more than|deeper than"):
+        vllm_probe.get_memory(path, timeout=5)
+    server.close()
+    ok = {"status": "error", "message": "x" * 10_000}
+    vllm_probe.check_plain(ok)
+    assert len(vllm_probe._message(ok)) <= vllm_probe.MAX_MESSAGE + 3

@@ -3,6 +3,7 @@ gRPC, HTTP health, promtool and a real Prometheus server scraping the agent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -165,6 +166,33 @@ def test_native_agent_end_to_end(agents, checkpoint, prometheus):
     assert "agent stopped (exit 0)" in agent.log()
     with pytest.raises(grpc.RpcError):
         agent.status()
+
+
+def test_a_stopped_rank_is_not_ready_within_seconds_and_restarted(agents, checkpoint):
+    """A SIGSTOPped rank keeps its socket and its watch connection open, so only a ping
+    tells it apart: Status, /readyz and weightcache_rank_ready say not ready within seconds
+    and the group is restarted by the policy of a dead rank."""
+    plan = make_plan(runtime="native", tensor=2, model=str(checkpoint), epoch=1,
+                     spec_extra={"device": "cpu"})
+    agent = agents(plan).start()
+    st = agent.wait_ready(timeout=90)
+    pids = [hello(r.socket_path)["pid"] for r in st.ranks]
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        stopped = agent.wait(lambda s: not s.ready, timeout=30)
+        assert stopped.ranks[0].state != agent_pb2.RANK_STATE_READY
+        assert agent.http("/readyz")[0] == 503
+        _, text = agent.http("/metrics")
+        assert any(ln.startswith("weightcache_rank_ready{") and 'rank="0"' in ln
+                   and ln.endswith(" 0.0") for ln in text.splitlines()), text
+        st = agent.wait(lambda s: s.restarts >= 1 and s.ready, timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[0], signal.SIGCONT)
+    assert "does not answer" in agent.log()
+    assert gone(pids[0])
+    assert [hello(r.socket_path)["pid"] for r in st.ranks] != pids
+    assert agent.terminate() == 0
 
 
 def test_status_shows_bytes_loaded_while_ranks_load(agents, checkpoint):

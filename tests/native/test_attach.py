@@ -122,7 +122,7 @@ def test_materialize_reports_missing_tensors(served, ckpt):
         materialize(model, state)
 
 
-def test_copy_mode_clones_then_releases(ckpt, sock_dir, preload):
+def test_copy_mode_clones_and_leaves_the_cache_for_later_engines(ckpt, sock_dir, preload):
     p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
     ready = p.wait_ready(120)
     sock = ready["sockets"][0]
@@ -130,9 +130,24 @@ def test_copy_mode_clones_then_releases(ckpt, sock_dir, preload):
     assert res.source == "cache" and res.mode == "copy"
     assert_matches(res.state_dict, reference(ckpt))
     assert res.state_dict[HEAD] is res.state_dict[EMBED]
-    # The daemon freed its arena: nothing to serve any more, and it says so.
-    assert query(sock, "get_memory")["bytes"] == 0
+    # One engine's copy does not empty the cache for the next one.
+    assert query(sock, "get_memory")["bytes"] == ready["bytes"]
+    assert attach(ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
+
+
+def test_release_reports_what_zero_copy_engines_still_map(ckpt, sock_dir, preload):
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    ready = p.wait_ready(120)
+    sock = ready["sockets"][0]
+    held = attach(ckpt, socket_dir=sock_dir, fallback=False)  # zero_copy: maps the arena
+    released = query(sock, "release")
+    assert released["released"] == ready["bytes"]
+    # The engine's mapping keeps the pages: the daemon does not claim they were freed.
+    assert released["still_mapped"] == ready["bytes"] and released["freed"] is False
+    memory = query(sock, "get_memory")
+    assert memory["bytes"] == 0 and memory["mapped_after_release"] == ready["bytes"]
     assert query(sock, "hello")["ready"] is False
+    assert_matches(held.state_dict, reference(ckpt))  # still readable after release
     with pytest.raises(NotReadyError):
         attach(ckpt, socket_dir=sock_dir, fallback=False)
     fell_back = attach(ckpt, socket_dir=sock_dir, fallback=True)

@@ -56,7 +56,7 @@ def test_unknown_command_keeps_connection(sock_path):
         assert reply == {"ok": False, "error": "unknown_command",
                          "message": "unknown command 'format_disk'"}
         proto.send_frame(s, {"nocmd": 1})
-        assert proto.recv_frame(s)[0]["error"] == "unknown_command"
+        assert proto.recv_frame(s)[0]["error"] == "bad_request"
         proto.send_frame(s, {"cmd": "hello"})
         assert proto.recv_frame(s)[0]["ok"]
 

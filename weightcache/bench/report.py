@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
+    "identity": "weightcache.bench.identity",
     "gpu": "weightcache.bench.gpu",
     "update": "weightcache.bench.update",
     "load": "weightcache.bench.load",

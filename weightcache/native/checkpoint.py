@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import WeightCacheError
+
 INDEX_NAME = "model.safetensors.index.json"
-MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+# The limit safetensors itself enforces (MAX_HEADER_SIZE = 100_000_000 in
+# safetensors/src/tensor.rs, huggingface/safetensors).
+MAX_HEADER = 100_000_000
+# Dimensions are usize in safetensors and int64 in torch: anything larger cannot be a tensor.
+MAX_DIM = 2**63 - 1
+# Nesting a header may need: {name: {"shape": [..]}} is depth 3; serde_json stops at 128.
+MAX_JSON_DEPTH = 64
 
 # safetensors dtype tag -> (torch dtype name, itemsize). Kept free of torch so that the
 # launcher can validate a checkpoint without paying for importing it.
@@ -39,8 +47,14 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 
 
-class CheckpointError(ValueError):
-    """The model directory is missing, empty, or holds an invalid safetensors file."""
+class CheckpointError(ValueError, WeightCacheError):
+    """The model directory is missing, empty, or holds an invalid safetensors file.
+
+    A WeightCacheError too: the client's contract is that every failure of a load, the
+    checkpoint's included, is one (a ValueError as before, for callers that catch that).
+    """
+
+    reason = "checkpoint"
 
 
 @dataclass(frozen=True)
@@ -98,42 +112,94 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raw = fh.read(hlen)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc}") from exc
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
+    header = _load_json(raw, f"{path}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header, 8 + hlen
 
 
+def _depth_ok(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Nesting of a JSON text, counted without parsing it (brackets outside strings)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    depth, in_str, escaped = 0, False, False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _load_json(raw: bytes | str, where: str) -> Any:
+    """Strict JSON like serde_json: UTF-8, no NaN/Infinity, bounded nesting."""
+    try:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
+        if not _depth_ok(raw):
+            raise CheckpointError(f"{where} (JSON nested deeper than {MAX_JSON_DEPTH})")
+        return json.loads(raw, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{where} (not UTF-8)") from None
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{where} (not JSON: {exc})") from None
+
+
 def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Validate one file by safetensors' own rules (`Metadata::validate` and `read_metadata`
+    in safetensors/src/tensor.rs): `__metadata__` maps strings to strings; every tensor has a
+    known dtype, a shape of non-negative integers and two integer offsets whose span is
+    exactly shape x itemsize; sorted by offset the tensors tile the data section from 0 with
+    no gap and no overlap, and the last one ends exactly at the end of the file."""
     header, data_start = read_header(path)
     data_len = os.path.getsize(path) - data_start
     tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     # Runs on every attach (client fingerprint) for hundreds of entries: the checks are
     # written out, and the error context is only formatted when an entry is bad.
     for name, entry in header.items():
         if name == "__metadata__":
-            if entry is not None and not isinstance(entry, dict):
-                raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__)")
+            if entry is not None and not (
+                isinstance(entry, dict)
+                and all(isinstance(v, str) for v in entry.values())
+            ):
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header (__metadata__ must map strings"
+                    " to strings)"
+                )
             continue
         if not isinstance(entry, dict):
             raise CheckpointError(f"{path}: tensor {name!r}: header entry is not an object")
         tag, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         kind = DTYPES.get(tag) if isinstance(tag, str) else None
         if kind is None:
-            raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {tag!r}")
+            raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {_short(tag)}")
         nbytes = kind[1]
         good = type(shape) is list
         if good:
             for d in shape:  # JSON gives int or bool; bool is refused
-                if type(d) is not int or d < 0:
+                if type(d) is not int or not 0 <= d <= MAX_DIM:
                     good = False
                     break
                 nbytes *= d
         if not good:
-            raise CheckpointError(f"{path}: tensor {name!r}: bad shape {shape!r}")
+            raise CheckpointError(f"{path}: tensor {name!r}: bad shape {_short(shape)}")
         if (
             type(offsets) is not list
             or len(offsets) != 2
@@ -142,22 +208,47 @@ def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
             or not 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CheckpointError(
-                f"{path}: tensor {name!r}: bad data_offsets {offsets!r} (data is {data_len} bytes)"
+                f"{path}: tensor {name!r}: bad data_offsets {_short(offsets)}"
+                f" (data is {data_len} bytes)"
             )
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(
                 f"{path}: tensor {name!r}: data_offsets cover {offsets[1] - offsets[0]} bytes,"
-                f" shape {shape} of {tag} needs {nbytes}"
+                f" shape {_short(shape)} of {tag} needs {_short(nbytes)}"
             )
+        spans.append((offsets[0], offsets[1], name))
         tensors[name] = TensorInfo(name, tag, tuple(shape), path, data_start + offsets[0], nbytes)
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            what = "overlaps the tensor before it" if start < end else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {name!r} at byte {start} {what}")
+        end = stop
+    if end != data_len:
+        raise CheckpointError(
+            f"{path}: tensors cover {end} of {data_len} data bytes (trailing bytes)"
+        )
     return header, tensors
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() of a header value, cut: a hostile header must not make a huge error line."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
     index = model_dir / INDEX_NAME
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _load_json(index.read_bytes(), f"{index}: not a valid safetensors index")[
+                "weight_map"
+            ]
+        except CheckpointError:
+            raise
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
         if not isinstance(weight_map, dict) or not all(
@@ -166,7 +257,7 @@ def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
             raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         names = sorted(set(weight_map.values()))
         for name in names:
-            if Path(name).name != name:
+            if Path(name).name != name or "\0" in name:
                 raise CheckpointError(f"{index}: file {name!r} is outside the model directory")
             if not (model_dir / name).is_file():
                 raise CheckpointError(f"{index}: references missing file {name}")
@@ -225,9 +316,11 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
     cfg_path = path / "config.json"
     if cfg_path.is_file():
         try:
-            loaded = json.loads(cfg_path.read_text())
+            loaded = _load_json(cfg_path.read_bytes(), f"{cfg_path}: not valid JSON")
             config = loaded if isinstance(loaded, dict) else None
-        except (OSError, ValueError) as exc:
+        except CheckpointError:
+            raise
+        except OSError as exc:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
     return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config)
 

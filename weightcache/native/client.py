@@ -30,24 +30,26 @@ from torch import nn
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
+from . import content
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint
+from .errors import WeightCacheError
 from .identity import device_identity
 from .identity import socket_path as derive_socket_path
 from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
 from .presence import loading_daemon
 from .rankplan import plan_rank_shard
-from .security import SecurityError, check_peer, check_socket_file, resolve_socket_dir
+from .security import (
+    SecurityError,
+    check_peer,
+    check_socket_file,
+    resolve_socket_dir,
+    trusted_uids,
+)
 from .sharding import ShardingError, parse_rules
 from .transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
-
-
-class WeightCacheError(RuntimeError):
-    """The cache could not serve this load (the message says why)."""
-
-    reason = "error"
 
 
 class DaemonUnavailableError(WeightCacheError):
@@ -166,7 +168,8 @@ def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
     """Connect to a daemon socket after checking the file and, once connected, the peer uid."""
     path = Path(path)
     try:
-        check_socket_file(path)
+        owners = trusted_uids()
+        check_socket_file(path, owners)
     except FileNotFoundError:
         loading = loading_daemon(path)
         if loading:
@@ -177,11 +180,13 @@ def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
         raise DaemonUnavailableError(f"no daemon socket at {path}") from None
     except SecurityError as exc:
         raise CacheSecurityError(str(exc)) from None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"cannot check {path}: {exc}") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
-        check_peer(sock)
+        _connect_within(sock, str(path), timeout)
+        check_peer(sock, owners)
     except SecurityError as exc:
         sock.close()
         raise CacheSecurityError(f"daemon at {path}: {exc}") from None
@@ -189,6 +194,22 @@ def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
         sock.close()
         raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
     return sock
+
+
+def _connect_within(sock: socket.socket, path: str, timeout: float) -> None:
+    """connect(), retrying while the listen backlog is full (EAGAIN on a Unix socket) until
+    `timeout`: a burst of engines then waits for the daemon instead of falling back."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
 
 def request(
@@ -252,13 +273,35 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
+    try:  # a few sampled chunks: the daemon checks them against every byte it loaded
+        claim = content.sample_claim(ckpt.files)
+    except OSError as exc:
+        raise CheckpointError(f"{model_dir}: cannot read: {exc}") from None
     layout, fingerprint = plan_rank_shard(
-        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype
+        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, content=claim
     )
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
 
-def _from_cache(
+def _from_cache(plan: RankPlan, path: Path, **kw: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """The cache path; whatever a daemon (or a lying peer) answers, a WeightCacheError."""
+    try:
+        return _from_cache_unchecked(plan, path, **kw)
+    except WeightCacheError:
+        raise
+    except Exception as exc:  # the contract: never another exception from the cache path
+        raise CacheProtocolError(f"unusable reply: {type(exc).__name__}: {exc}") from None
+
+
+def _check_table(plan: RankPlan, reply: dict[str, Any]) -> None:
+    """The daemon's table must be exactly the layout we computed from the checkpoint
+    ourselves: anything else is a partial or foreign shard, never served."""
+    table, aliases = reply.get("tensors"), reply.get("aliases") or {}
+    if table != plan.layout.table() or aliases != plan.layout.aliases:
+        raise CacheProtocolError("the daemon's tensor table differs from this checkpoint's layout")
+
+
+def _from_cache_unchecked(
     plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
 ) -> tuple[dict[str, torch.Tensor], int, int | None]:
@@ -284,41 +327,44 @@ def _from_cache(
                              mode=mode)
         try:
             _raise_for(reply)
+            _check_table(plan, reply)
             meta = reply.get("arena")
-            if not isinstance(meta, dict):
+            if not isinstance(meta, dict) or not isinstance(meta.get("transport"), str):
                 raise CacheProtocolError("get_state reply has no arena")
-            transport = get_transport(str(meta.get("transport")))
-            imported = transport.attach(meta, fds, plan.device)
-            fds = []
+            nbytes = meta.get("nbytes")
+            if isinstance(nbytes, int) and nbytes < plan.layout.nbytes:
+                raise CacheProtocolError(
+                    f"arena of {nbytes} bytes cannot hold the {plan.layout.nbytes}-byte layout")
+            transport = get_transport(meta["transport"])
+            owned, fds = fds, []  # attach() owns (and closes) them from here, even on failure
+            imported = transport.attach(meta, owned, plan.device)
         except TransportError as exc:
             raise CacheProtocolError(f"cannot map the arena: {exc}") from None
         finally:
             for fd in fds:
                 os.close(fd)
-        flat = imported.tensor()
         try:
-            table, aliases = reply.get("tensors"), reply.get("aliases") or {}
-            if not isinstance(table, list) or not isinstance(aliases, dict):
-                raise CacheProtocolError("get_state reply has no tensor table")
+            flat = imported.tensor()
+            if flat.numel() < plan.layout.nbytes:
+                raise CacheProtocolError(
+                    f"mapped arena holds {flat.numel()} bytes, the layout needs"
+                    f" {plan.layout.nbytes}")
             if mode == "copy":
-                # Queued on the device; the mapping stays until the views are built and the
-                # release is sent, so that work overlaps the copy (unmapping waits for it).
+                # Queued on the device; the mapping stays until the views are built, so that
+                # work overlaps the copy (unmapping waits for it).
                 flat = flat.clone()
-            state = tensors_from_table(flat, table, aliases)
+            # Our own table, now known equal to the daemon's.
+            state = tensors_from_table(flat, plan.layout.table(), plan.layout.aliases)
         except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
+        except BaseException:
+            imported.close()
+            raise
         if mode == "copy":
-            try:
-                if meta.get("transport") != "cuda_vmm":
-                    # Legacy IPC memory is freed by the exporter even while mapped here: the
-                    # copy must be done (unmapping waits for it) before the daemon may free.
-                    imported.close()
-                released, _ = request(sock, "release")
-                if not released.get("ok"):
-                    log.warning("weightcache: daemon did not release its cache: %s", released)
-            finally:
-                imported.close()
+            imported.close()
+        # Copy mode no longer releases the cache: one engine's copy must not empty it for
+        # every later engine on the GPU (release is the agent's decision, docs/native.md).
         generation = reply.get("generation")
         return state, flat.numel(), generation if isinstance(generation, int) else None
 

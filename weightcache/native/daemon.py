@@ -38,7 +38,9 @@ from weightcache.contracts.vocabulary import (
     canonical_role,
 )
 
+from . import content as content_mod
 from . import fingerprint as fp
+from . import limits
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint
 from .identity import device_identity, socket_path
@@ -51,6 +53,8 @@ from .security import (
     SocketLock,
     bind_unix_socket,
     check_peer,
+    check_socket_slot,
+    peer_credentials,
     prepare_socket_dir,
 )
 from .sharding import ShardingError, parse_rules
@@ -64,8 +68,9 @@ if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lo
 
 log = logging.getLogger("weightcache.daemon")
 
-IDLE_TIMEOUT_S = 60.0
-MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = limits.REQUEST_DEADLINE_S  # a request must arrive whole within this
+MAX_CONNECTIONS = limits.MAX_CONNECTIONS
+MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
 ACCEPT_WAKE_S = 0.25  # how often the accept loop lets a pending signal handler run
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -121,7 +126,8 @@ class Stats:
     def mismatch(self, fields: list[str]) -> None:
         with self._lock:
             for name in fields:
-                self.mismatches[name] = self.mismatches.get(name, 0) + 1
+                if name in fp.FIELDS:  # a fixed set: never a key a client chose
+                    self.mismatches[name] = self.mismatches.get(name, 0) + 1
 
     def attach(self, seconds: float) -> None:
         with self._lock:
@@ -168,6 +174,7 @@ class RankServer:
         dp_rank: int,
         load_seconds: float,
         allowed_uids: set[int],
+        content: dict[str, content_mod.FileDigest] | None = None,
     ) -> None:
         self.arena: Arena | None = arena
         self.transport_name = transport_name
@@ -184,10 +191,17 @@ class RankServer:
         self.role = role
         self.load_seconds = load_seconds
         self.allowed_uids = allowed_uids
+        self.content = content or {}
         self.stats = Stats()
         self._state_lock = threading.Lock()
         self._watchers: set[socket.socket] = set()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._slots = limits.PeerLimiter(MAX_CONNECTIONS, limits.PER_PID, limits.PER_UID,
+                                         own_uid=os.getuid())
+        self._watch_slots = limits.PeerLimiter(limits.MAX_WATCHERS, limits.WATCH_PER_PID)
+        # get_state replies that handed out the arena to a zero_copy engine: after `release`
+        # those engines may still map it, so its memory is not known to be freed.
+        self.zero_copy_attaches = 0
+        self.released_bytes = 0
         self.stopping = threading.Event()
         self.updates: RankUpdater | None = None  # set by run(): in-place updates
 
@@ -211,6 +225,7 @@ class RankServer:
             role=self.role,
             ready=self.arena is not None,
             pid=os.getpid(),
+            content=self.fingerprint.get("content"),
             **({"update": self.updates.info()} if self.updates else {}),
         ), []
 
@@ -221,6 +236,9 @@ class RankServer:
             tensors=len(self.table) if held else 0,
             device=self._device_info(),
             released=not held,
+            # After release: bytes engines that attached zero_copy may still map (an upper
+            # bound; the kernel frees the pages when the last of them unmaps).
+            mapped_after_release=self.released_bytes if not held else 0,
         ), []
 
     def cmd_stats(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -237,9 +255,15 @@ class RankServer:
 
     def cmd_get_state(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         expected = req.get("fingerprint")
-        if not isinstance(expected, dict):
-            return proto.error(proto.E_BAD_REQUEST, "get_state needs a fingerprint map"), []
+        problem = fp.validate(expected)
+        if problem:
+            return proto.error(proto.E_BAD_REQUEST, f"get_state: {problem}"), []
         wanted = req.get("transport")
+        mode = req.get("mode", "zero_copy")
+        if mode not in ("zero_copy", "copy"):
+            return proto.error(proto.E_BAD_REQUEST, "get_state: mode must be zero_copy or copy"), []
+        if wanted is not None and not isinstance(wanted, str):
+            return proto.error(proto.E_BAD_REQUEST, "get_state: transport must be a string"), []
         if wanted is not None and wanted != self.transport_name:
             return proto.error(
                 proto.E_TRANSPORT_UNAVAILABLE,
@@ -250,12 +274,15 @@ class RankServer:
             held = self.updates.wait_serving()  # no engine maps bytes being rewritten
             if held is not None:
                 return held, []
-        fields = fp.mismatched_fields(self.fingerprint, expected)
+        fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
         if fields:
             self.stats.mismatch(fields)
+            why = ""
+            if "content" in fields:
+                why = f" ({content_mod.verify_claim(self.content, expected.get('content'))})"
             return proto.error(
                 proto.E_FINGERPRINT_MISMATCH,
-                f"cached shard differs in: {', '.join(fields)}",
+                f"cached shard differs in: {', '.join(fields)}{why}",
                 fields=fields,
             ), []
         with self._state_lock:
@@ -265,36 +292,63 @@ class RankServer:
             # Duplicates: a concurrent `release` may close the arena's own fds before we send.
             reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
                              generation=self.updates.generation if self.updates else 1)
+            if mode == "zero_copy":
+                self.zero_copy_attaches += 1
             return reply, [os.dup(fd) for fd in fds]
 
     def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Drop the daemon's arena: later engines fall back. Memory engines map stays theirs.
+
+        The reply says what was actually freed: `released` is the daemon's reference
+        (bytes); `still_mapped` is how much engines that attached zero_copy may keep mapped
+        (all of it when any did: the daemon cannot see their mappings end), so `freed` is
+        true only when no zero_copy engine ever attached.
+        """
         with self._state_lock:
             if self.arena is None:
-                return proto.ok(released=0), []
+                return proto.ok(released=0, still_mapped=self.released_bytes, freed=False), []
+            if self.transport_name == "cuda_ipc" and self.zero_copy_attaches:
+                # Legacy CUDA IPC: memory an exporter frees is gone for its importers too
+                # (undefined behaviour per the CUDA docs), so never free it under engines.
+                return proto.error(
+                    proto.E_BUSY,
+                    f"{self.zero_copy_attaches} zero_copy engine(s) may map this cuda_ipc arena;"
+                    " releasing it would free memory under them (stop them first)",
+                ), []
             arena, self.arena = self.arena, None
+            mapped = self.nbytes if self.zero_copy_attaches else 0
+            self.released_bytes = mapped
         # Freeing a large arena takes a while; the client need not wait for it.
         threading.Thread(target=arena.close, daemon=True).start()
-        log.info("rank %d released its arena (%d bytes)", self.rank, self.nbytes)
-        return proto.ok(released=self.nbytes), []
+        log.info("rank %d released its arena (%d bytes; %d may stay mapped by %d zero_copy "
+                 "attach(es))", self.rank, self.nbytes, mapped, self.zero_copy_attaches)
+        return proto.ok(released=self.nbytes, still_mapped=mapped, freed=mapped == 0), []
 
     # -- connections ------------------------------------------------------------------------
-    def handle(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
         started = time.monotonic()
         served_state = False
-        peer_pid = peer_uid = 0
+        pool = self._slots
         self.stats.adjust("connections", 1)
         try:
             try:
-                peer_pid, peer_uid, _ = check_peer(conn, self.allowed_uids)
+                check_peer(conn, self.allowed_uids)
             except SecurityError as exc:
                 self.stats.request("connect", proto.E_PERMISSION_DENIED)
                 with contextlib.suppress(OSError):
+                    conn.settimeout(1.0)
                     proto.send_frame(conn, proto.error(proto.E_PERMISSION_DENIED, str(exc)))
                 return
-            conn.settimeout(IDLE_TIMEOUT_S)
             while not self.stopping.is_set():
+                # One deadline for the whole request, however slowly its bytes come.
+                deadline = time.monotonic() + IDLE_TIMEOUT_S
+                if self.updates is not None and self.updates.owns(conn):
+                    # A coordinator holding a staged update waits on the other ranks (or
+                    # nodes) between phases; its own close aborts the update.
+                    deadline = time.monotonic() + self.updates.HOLD_S
                 try:
-                    req, fds_in = proto.recv_frame(conn, accept_fds=True)
+                    req, fds_in = proto.recv_frame(conn, max_frame=MAX_REQUEST, deadline=deadline,
+                                                   accept_fds=True)
                 except proto.PeerClosedError:
                     return
                 except proto.ProtocolError as exc:
@@ -303,6 +357,12 @@ class RankServer:
                         proto.send_frame(conn, proto.error(exc.code, str(exc)))
                     return
                 cmd = req.get("cmd")
+                if not isinstance(cmd, str) or len(cmd) > limits.MAX_COMMAND_LENGTH:
+                    self.stats.request("invalid", proto.E_BAD_REQUEST)
+                    proto.send_frame(conn, proto.error(
+                        proto.E_BAD_REQUEST, "cmd must be a short string"))
+                    continue
+                conn.settimeout(IDLE_TIMEOUT_S)  # the reply must be taken in time, too
                 if fds_in and cmd not in proto.FD_COMMANDS:
                     for fd in fds_in:
                         os.close(fd)
@@ -311,14 +371,13 @@ class RankServer:
                                                        f"{cmd!r} does not take fds"))
                     return
                 if cmd in proto.UPDATE_COMMANDS and self.updates is not None:
-                    if peer_uid != os.getuid() and cmd != "get_table":
+                    if peer[1] != os.getuid() and cmd != "get_table":
                         # Engines of other uids may read the cache, never rewrite it.
-                        reply = proto.error(proto.E_PERMISSION_DENIED,
-                                            f"{cmd} is reserved to uid {os.getuid()}")
                         for fd in fds_in:
                             os.close(fd)
                         self.stats.request(cmd, proto.E_PERMISSION_DENIED)
-                        proto.send_frame(conn, reply)
+                        proto.send_frame(conn, proto.error(
+                            proto.E_PERMISSION_DENIED, f"{cmd} is reserved to uid {os.getuid()}"))
                         continue
                     try:
                         reply = self.updates.handle(conn, cmd, req, fds_in)
@@ -329,17 +388,29 @@ class RankServer:
                     proto.send_frame(conn, reply)
                     continue
                 if cmd == "watch" and isinstance(req.get("participant"), dict) and self.updates:
+                    # An engine's update stream: a watcher (watch pool) that also answers.
+                    why = self._watch_slots.acquire(peer[0], peer[1])
+                    if why:
+                        self.stats.request("watch", proto.E_BUSY)
+                        proto.send_frame(conn, proto.error(proto.E_BUSY, f"watch: {why}"))
+                        return
+                    self._slots.release(peer[0], peer[1])
+                    pool = self._watch_slots
                     self.stats.request("watch", "ok")
                     self.stats.adjust("watchers", 1)
+                    self._watchers.add(conn)
                     try:
-                        self.updates.participate(conn, peer_pid, req["participant"])
+                        self.updates.participate(conn, peer[0], req["participant"])
                     finally:
+                        self._watchers.discard(conn)
                         self.stats.adjust("watchers", -1)
                     return
                 if cmd == "watch":
-                    self.stats.request("watch", "ok")
-                    self._watch(conn)
-                    return
+                    if self._watch(conn, peer):
+                        self._slots.release(peer[0], peer[1])  # a watcher holds no attach slot
+                        pool = self._watch_slots
+                        self._hold_watch(conn)
+                    return  # refused (`busy` sent) or done watching: the connection closes
                 handler = getattr(self, f"cmd_{cmd}", None) if cmd in proto.COMMANDS else None
                 if handler is None:
                     self.stats.request("unknown", proto.E_UNKNOWN_COMMAND)
@@ -361,9 +432,13 @@ class RankServer:
                 if cmd == "get_state" and reply.get("ok"):
                     served_state = True
                     if self.updates is not None:
-                        self.updates.note_attach(peer_pid, req.get("mode"))
+                        self.updates.note_attach(peer[0], req.get("mode"))
         except (OSError, proto.ProtocolError):
             return
+        except Exception:  # never let one connection's surprise kill silently
+            log.exception("connection handler failed")
+            with contextlib.suppress(OSError, proto.ProtocolError):
+                proto.send_frame(conn, proto.error(proto.E_INTERNAL, "internal error"))
         finally:
             if self.updates is not None:
                 self.updates.connection_closed(conn)
@@ -372,11 +447,25 @@ class RankServer:
             if served_state:
                 self.stats.attach(time.monotonic() - started)
             self.stats.adjust("connections", -1)
-            self._slots.release()
+            pool.release(peer[0], peer[1])
 
-    def _watch(self, conn: socket.socket) -> None:
+    def _watch(self, conn: socket.socket, peer: tuple[int, int, int]) -> bool:
+        """Move the connection to the watch pool; False (and `busy` sent) when it is full."""
+        why = self._watch_slots.acquire(peer[0], peer[1])
+        if why:
+            self.stats.request("watch", proto.E_BUSY)
+            proto.send_frame(conn, proto.error(proto.E_BUSY, f"watch: {why}"))
+            return False
+        self.stats.request("watch", "ok")
+        try:
+            proto.send_frame(conn, proto.ok(watching=True, rank=self.rank))
+        except BaseException:
+            self._watch_slots.release(peer[0], peer[1])
+            raise
+        return True
+
+    def _hold_watch(self, conn: socket.socket) -> None:
         """Hold the connection open until the peer leaves or the daemon stops."""
-        proto.send_frame(conn, proto.ok(watching=True, rank=self.rank))
         conn.settimeout(None)
         self._watchers.add(conn)
         self.stats.adjust("watchers", 1)
@@ -404,12 +493,24 @@ class RankServer:
                 if self.stopping.is_set():
                     return
                 raise
-            if not self._slots.acquire(blocking=False):
-                with contextlib.suppress(OSError, proto.ProtocolError):
-                    proto.send_frame(conn, proto.error(proto.E_BUSY, "too many connections"))
+            try:
+                peer = peer_credentials(conn)
+            except OSError:
                 conn.close()
                 continue
-            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+            why = self._slots.acquire(peer[0], peer[1])
+            if why:
+                self.stats.request("connect", proto.E_BUSY)
+                with contextlib.suppress(OSError, proto.ProtocolError):
+                    conn.settimeout(0.5)
+                    proto.send_frame(conn, proto.error(proto.E_BUSY, why))
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self.handle, args=(conn, peer), daemon=True).start()
+            except RuntimeError:  # cannot start a thread: refuse rather than die
+                self._slots.release(peer[0], peer[1])
+                conn.close()
 
     def shutdown(self) -> None:
         self.stopping.set()
@@ -420,6 +521,13 @@ class RankServer:
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
+
+
+def _digest_into(files: list[Path], out: dict[str, Any]) -> None:
+    try:
+        out["files"] = content_mod.digest_files(files)
+    except content_mod.ContentError as exc:
+        out["error"] = str(exc)
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -492,8 +600,17 @@ def run(args: argparse.Namespace) -> int:
     except AlreadyRunningError as exc:
         log.error("%s", exc)
         return EXIT_LOCKED
-    except (SecurityError, OSError) as exc:
+    except SecurityError as exc:
         log.error("cannot lock %s: %s", lock.path, exc)
+        return EXIT_SECURITY
+    except OSError as exc:  # ENOSPC, EIO...: not a security verdict
+        log.error("cannot lock %s: %s", lock.path, exc)
+        return EXIT_ERROR
+    try:
+        check_socket_slot(path)
+    except (SecurityError, OSError) as exc:
+        log.error("%s", exc)
+        lock.release()
         return EXIT_SECURITY
     arena: Arena | None = None
     listener: socket.socket | None = None
@@ -529,6 +646,11 @@ def run(args: argparse.Namespace) -> int:
         except ShardingError as exc:
             log.error("%s", exc)
             return EXIT_BAD_INPUT
+        try:  # a table msgpack cannot carry would make a READY rank that never serves
+            proto.encode(proto.ok(tensors=layout.table(), aliases=layout.aliases))
+        except (proto.ProtocolError, OverflowError, ValueError) as exc:
+            log.error("%s: the tensor table cannot be served: %s", args.model, exc)
+            return EXIT_BAD_INPUT
         # A socket left by a dead daemon would let clients connect to nothing: drop it first.
         if os.path.lexists(path):
             with contextlib.suppress(FileNotFoundError):
@@ -538,6 +660,11 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         transport = get_transport(args.transport) if args.transport else default_transport(device)
         arena = transport.allocate(layout.nbytes, device)
+        # Every byte's digest, computed beside the load (hashlib releases the GIL).
+        digests: dict[str, Any] = {}
+        digest_thread = threading.Thread(
+            target=_digest_into, args=(ckpt.files, digests), name="digest", daemon=True)
+        digest_thread.start()
         phase("allocate_seconds")
         prefetched = prefetcher.stop() if prefetcher is not None else None
         done = Counter()
@@ -558,6 +685,13 @@ def run(args: argparse.Namespace) -> int:
         done.add(layout.nbytes - done.value)  # the alignment padding between tensors
         report()
         phase("fill_seconds")
+        digest_thread.join()
+        phase("digest_wait_seconds")  # how long the digest outlasted the fill
+        if "error" in digests:
+            log.error("rank %d: %s", rank, digests["error"])
+            return EXIT_ERROR
+        record = digests["files"]
+        fingerprint = {**fingerprint, "content": content_mod.content_root(record)}
         load_seconds = time.monotonic() - t0
         delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
         if delay > 0:
@@ -578,12 +712,18 @@ def run(args: argparse.Namespace) -> int:
             dp_rank=args.dp_rank,
             load_seconds=load_seconds,
             allowed_uids={os.getuid(), *args.allow_uid},
+            content=record,
         )
         from .update import RankUpdater, UpdateConfig
 
         server.updates = RankUpdater(server, UpdateConfig(
             rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype, model=str(args.model)))
-        listener = bind_unix_socket(path)
+        try:
+            listener = bind_unix_socket(path, limits.LISTEN_BACKLOG,
+                                        shared=bool(args.allow_uid))
+        except SecurityError as exc:
+            log.error("%s", exc)
+            return EXIT_SECURITY
         _emit(
             "SERVING "
             + json.dumps(
@@ -603,6 +743,7 @@ def run(args: argparse.Namespace) -> int:
                     "prefetch": prefetched,
                     "loader": loaded.as_dict() if loaded is not None else None,
                     "pid": os.getpid(),
+                    "content": fingerprint["content"],
                 }
             )
         )

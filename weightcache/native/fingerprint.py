@@ -1,8 +1,14 @@
 """What a cached shard is, in a form a daemon and an engine can compare field by field.
 
-The checkpoint part hashes only the safetensors headers (names, dtypes, shapes, offsets and
-`__metadata__`) keyed by file name, so the same weights copied to another directory still
-match, while reading it costs a few kilobytes instead of the whole checkpoint.
+The `checkpoint` part hashes the safetensors headers (names, dtypes, shapes, offsets and
+`__metadata__`) keyed by file name. Headers say nothing about values, so the `content` part
+carries the bytes' identity (weightcache.native.content): on the daemon's side the full
+content digest of what it loaded, on the client's side a claim (file identities plus sampled
+chunk digests) that the daemon checks against its per-chunk record. Both are keyed by file
+name, so the same weights copied to another directory still match.
+
+The set of keys is fixed (FIELDS) and every value bounded: a client cannot grow the daemon's
+state or its `stats` with keys of its own (`validate`).
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ from typing import Any
 
 from weightcache import __version__
 
+from . import content as content_mod
 from .checkpoint import Checkpoint
 from .protocol import PROTOCOL_VERSION
 
 RUNTIME_VERSION = f"weightcache-native/{__version__}/protocol-{PROTOCOL_VERSION}"
-FIELDS = ("checkpoint", "tp_size", "tp_rank", "dtype", "shard_rules", "aliases", "runtime_version")
+FIELDS = ("checkpoint", "tp_size", "tp_rank", "dtype", "shard_rules", "aliases", "runtime_version",
+          "content")
+MAX_TEXT = 256  # every field but `content` is a short string or an integer
 
 
 def _sha256(obj: Any) -> str:
@@ -37,7 +46,9 @@ def compute(
     dtype: str,
     shard_rules: list[str] | tuple[str, ...],
     aliases: dict[str, str],
+    content: Any,
 ) -> dict[str, Any]:
+    """`content`: the daemon's content root (str) or the client's claim (map)."""
     return {
         "checkpoint": checkpoint_hash(ckpt),
         "tp_size": tp_size,
@@ -47,12 +58,45 @@ def compute(
         "shard_rules": _sha256(list(shard_rules) if tp_size > 1 else []),
         "aliases": _sha256(aliases),
         "runtime_version": RUNTIME_VERSION,
+        "content": content,
     }
 
 
-def mismatched_fields(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Fields that differ; a field missing on either side counts as different."""
+def validate(actual: Any) -> str | None:
+    """Why a client-supplied fingerprint is malformed (None when it is well formed)."""
+    if not isinstance(actual, dict):
+        return "fingerprint must be a map"
+    unknown = [k for k in actual if k not in FIELDS]
+    if unknown:
+        return f"fingerprint has {len(unknown)} unknown key(s), e.g. {str(unknown[0])[:64]!r}"
+    for key, value in actual.items():
+        if key == "content":
+            continue  # checked by content.verify_claim
+        if isinstance(value, str):
+            if len(value) > MAX_TEXT:
+                return f"fingerprint field {key} is longer than {MAX_TEXT} characters"
+        elif not isinstance(value, int) or isinstance(value, bool):
+            return f"fingerprint field {key} must be a string or an integer"
+    return None
+
+
+def mismatched_fields(
+    expected: dict[str, Any],
+    actual: dict[str, Any],
+    record: dict[str, content_mod.FileDigest] | None = None,
+) -> list[str]:
+    """Fields that differ; a field missing on either side counts as different.
+
+    With the daemon's per-file `record`, `content` is the client's claim, checked by
+    content.verify_claim; without it the two `content` values are compared as they are.
+    """
     if not isinstance(actual, dict):
         return list(FIELDS)
-    keys = sorted(set(expected) | set(actual))
-    return [k for k in keys if expected.get(k) != actual.get(k)]
+    out = []
+    for k in FIELDS:
+        if k == "content" and record is not None:
+            if content_mod.verify_claim(record, actual.get(k)) is not None:
+                out.append(k)
+        elif expected.get(k) != actual.get(k):
+            out.append(k)
+    return out

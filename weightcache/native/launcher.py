@@ -43,6 +43,12 @@ from .progress import ProgressPrinter
 log = logging.getLogger("weightcache.preload")
 
 STOP_GRACE_S = 15.0
+# Liveness: a serving rank that does not answer `hello` within LIVENESS_TIMEOUT_S, twice in
+# a row, is reported `unresponsive` (503): a stopped or hung process still has its socket, so
+# only an answer proves it serves.
+LIVENESS_INTERVAL_S = 1.0
+LIVENESS_TIMEOUT_S = 1.0
+LIVENESS_FAILURES = 2
 
 
 class Rank:
@@ -52,6 +58,7 @@ class Rank:
         self.proc = proc
         self.info: dict[str, Any] | None = None
         self.serving = threading.Event()
+        self.missed = 0  # consecutive unanswered liveness pings
         self.loading: dict[str, Any] = {}  # the rank's last LOADING line
 
     def loaded(self) -> tuple[int, int]:
@@ -64,6 +71,8 @@ class Rank:
     def state(self) -> dict[str, Any]:
         code = self.proc.poll()
         status = "exited" if code is not None else "serving" if self.serving.is_set() else "loading"
+        if status == "serving" and self.missed >= LIVENESS_FAILURES:
+            status = "unresponsive"
         out: dict[str, Any] = {"rank": self.rank, "local_rank": self.place.local,
                                "tp_rank": self.place.tp_rank, "dp_rank": self.place.dp_rank,
                                "state": status, "pid": self.proc.pid}
@@ -92,6 +101,42 @@ def _reader(rank: Rank) -> None:
             sys.stderr.write(f"[rank {rank.rank}] {line}")
 
 
+def _answers(path: str, timeout: float) -> bool:
+    """Does the rank answer a `hello` on its socket within `timeout`? (Any reply counts:
+    even `busy` proves the process runs.)"""
+    import socket
+
+    from . import protocol
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            deadline = time.monotonic() + timeout
+            protocol.send_frame(s, {"cmd": "hello"})
+            protocol.recv_frame(s, max_frame=1 << 20, deadline=deadline)
+        return True
+    except (OSError, protocol.ProtocolError):
+        return False
+
+
+def _liveness(ranks: list[Rank], stop: threading.Event) -> None:
+    while not stop.wait(LIVENESS_INTERVAL_S):
+        for r in list(ranks):
+            path = (r.info or {}).get("socket")
+            if not r.serving.is_set() or not path or r.proc.poll() is not None:
+                continue
+            if _answers(path, LIVENESS_TIMEOUT_S):
+                if r.missed >= LIVENESS_FAILURES:
+                    log.warning("rank %d answers again", r.rank)
+                r.missed = 0
+            else:
+                r.missed += 1
+                if r.missed == LIVENESS_FAILURES:
+                    log.error("rank %d (pid %d) does not answer on %s: unresponsive",
+                              r.rank, r.proc.pid, path)
+
+
 def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -100,6 +145,7 @@ def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServ
                 return
             states = [r.state() for r in ranks]
             ready = bool(states) and all(s["state"] == "serving" for s in states)
+            # An unresponsive rank makes the whole launcher not ready (`state` says which).
             body = json.dumps({
                 "ready": ready, "ranks": states,
                 "bytes_loaded": sum(s["bytes_loaded"] for s in states),
@@ -273,6 +319,7 @@ def _stop_all(ranks: list[Rank]) -> None:
     for r in ranks:
         if r.proc.poll() is None:
             r.proc.send_signal(signal.SIGTERM)
+            r.proc.send_signal(signal.SIGCONT)  # a stopped rank must run to handle SIGTERM
     deadline = time.monotonic() + STOP_GRACE_S
     for r in ranks:
         try:
@@ -353,6 +400,8 @@ def main(argv: list[str]) -> int:
             r = Rank(place, proc)
             ranks.append(r)
             threading.Thread(target=_reader, args=(r,), daemon=True).start()
+        threading.Thread(target=_liveness, args=(ranks, stop), daemon=True,
+                         name="liveness").start()
         announced = False
         printer = ProgressPrinter(sys.stderr, f"preload {os.path.basename(args.model.rstrip('/'))}",
                                   interval=_progress_interval())

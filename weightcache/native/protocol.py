@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -119,10 +120,21 @@ def _close_all(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> bytes:
-    """Read n bytes; on the first read also collect SCM_RIGHTS fds into `fds`."""
+def _recv_exact(
+    sock: socket.socket, n: int, fds: list[int], *, first: bool, deadline: float | None = None
+) -> bytes:
+    """Read n bytes; on the first read also collect SCM_RIGHTS fds into `fds`.
+
+    With a `deadline` (time.monotonic()), the whole read must finish by then: each recv
+    waits only for what is left, so a peer trickling bytes cannot stretch it (TimeoutError).
+    """
     chunks = bytearray()
     while len(chunks) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request deadline passed")
+            sock.settimeout(left)
         if first:
             anc_space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
             data, ancdata, flags, _ = sock.recvmsg(
@@ -147,7 +159,11 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, first: bool) -> 
 
 
 def recv_frame(
-    sock: socket.socket, *, accept_fds: bool = False, max_frame: int = MAX_FRAME
+    sock: socket.socket,
+    *,
+    accept_fds: bool = False,
+    max_frame: int = MAX_FRAME,
+    deadline: float | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame. Fds are accepted only when `accept_fds` (else: closed, and an error).
 
@@ -156,10 +172,13 @@ def recv_frame(
     """
     fds: list[int] = []
     try:
-        (length,) = struct.unpack(">I", _recv_exact(sock, _HEADER.size, fds, first=True))
+        (length,) = struct.unpack(">I", _recv_exact(sock, _HEADER.size, fds, first=True,
+                                                     deadline=deadline))
         if length > max_frame:
             raise ProtocolError(E_FRAME_TOO_LARGE, f"frame of {length} bytes exceeds {max_frame}")
-        payload = _recv_exact(sock, length, fds, first=False) if length else b""
+        payload = (
+            _recv_exact(sock, length, fds, first=False, deadline=deadline) if length else b""
+        )
         try:
             obj = msgpack.unpackb(
                 payload, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext

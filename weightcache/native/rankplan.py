@@ -14,8 +14,6 @@ from typing import Any
 
 from . import fingerprint as fp
 from .checkpoint import Checkpoint, tied_aliases
-from .content import FIELD as CONTENT_FIELD
-from .content import content_identity
 from .loader import ArenaLayout, plan_layout
 from .sharding import ShardRule
 
@@ -27,9 +25,11 @@ def plan_rank_shard(
     tp_size: int,
     tp_rank: int,
     dtype: str,
+    content: Any = None,
 ) -> tuple[ArenaLayout, dict[str, Any]]:
     """The arena layout of rank `tp_rank`'s shard and its fingerprint (ShardingError if the
-    rules cannot split a tensor)."""
+    rules cannot split a tensor). `content`: the client's claim (content.sample_claim); the
+    daemon fills in its content root once it has digested the files."""
     layout = plan_layout(
         ckpt, rules=rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, aliases=tied_aliases(ckpt)
     )
@@ -40,8 +40,6 @@ def plan_rank_shard(
         dtype=dtype,
         shard_rules=[r.text for r in rules],
         aliases=layout.aliases,
+        content=content,
     )
-    # Which bytes, not only which headers (a fine-tune, a rewritten revision): the one call of
-    # the content identity, so daemon start, update staging and client agree.
-    fingerprint[CONTENT_FIELD] = content_identity(ckpt)
     return layout, fingerprint

@@ -35,12 +35,33 @@ def default_socket_dir(uid: int | None = None) -> Path:
     return Path(tempfile.gettempdir()) / f"weightcache-{uid}"
 
 
+# Client side: uids whose daemon an engine trusts besides its own (comma-separated), for a
+# daemon started with --weight-cache-allow-uid for this engine's uid.
+ENV_DAEMON_UID = "WEIGHTCACHE_DAEMON_UID"
+
+
+def trusted_uids() -> set[int]:
+    """Our uid plus those named in WEIGHTCACHE_DAEMON_UID (client side only)."""
+    uids = {os.getuid()}
+    raw = os.environ.get(ENV_DAEMON_UID, "").strip()
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        if not part.isdigit():
+            raise SecurityError(f"{ENV_DAEMON_UID}={raw!r} is not a list of uids")
+        uids.add(int(part))
+    return uids
+
+
 def _describe_mode(mode: int) -> str:
     return oct(stat.S_IMODE(mode))
 
 
-def _lstat_ours(path: Path, what: str, kind: str, is_kind: Callable[[int], bool]) -> os.stat_result:
-    """lstat `path`; refuse a symlink, something other than a `kind`, or another uid's file."""
+def _lstat_ours(
+    path: Path, what: str, kind: str, is_kind: Callable[[int], bool],
+    owners: set[int] | None = None,
+) -> os.stat_result:
+    """lstat `path`; refuse a symlink, something other than a `kind`, or a file of a uid not
+    in `owners` (default: ours)."""
+    owners = {os.getuid()} if owners is None else owners
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -49,23 +70,24 @@ def _lstat_ours(path: Path, what: str, kind: str, is_kind: Callable[[int], bool]
         raise SecurityError(f"{what} {path} is a symlink; refusing to use it")
     if not is_kind(st.st_mode):
         raise SecurityError(f"{what} {path} is not a {kind}")
-    if st.st_uid != os.getuid():
+    if st.st_uid not in owners:
         raise SecurityError(
             f"{what} {path} is owned by uid {st.st_uid}, not by us (uid {os.getuid()})"
         )
     return st
 
 
-def _check_owned_dir(path: Path) -> os.stat_result:
-    return _lstat_ours(path, "socket directory", "directory", stat.S_ISDIR)
+def _check_owned_dir(path: Path, owners: set[int] | None = None) -> os.stat_result:
+    return _lstat_ours(path, "socket directory", "directory", stat.S_ISDIR, owners)
 
 
-def check_dir(path: Path, *, private: bool) -> None:
+def check_dir(path: Path, *, private: bool, owners: set[int] | None = None) -> None:
     """Refuse a symlinked, foreign-owned, or group/world-writable directory.
 
     `private` (the auto-derived default) additionally refuses any group/world access.
+    `owners`: uids the directory may belong to (default: ours).
     """
-    st = _check_owned_dir(path)
+    st = _check_owned_dir(path, owners)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise SecurityError(
             f"socket directory {path} is group- or world-writable ({_describe_mode(st.st_mode)})"
@@ -105,7 +127,7 @@ def resolve_socket_dir(path: str | os.PathLike | None) -> Path:
     """Client side: the directory to look in, checked but never created."""
     private = path is None
     target = default_socket_dir() if path is None else Path(path)
-    check_dir(target, private=private)
+    check_dir(target, private=private, owners=trusted_uids())
     return target
 
 
@@ -130,9 +152,10 @@ def socket_refusal(path: str | os.PathLike, private_dir: str | os.PathLike) -> s
     return None
 
 
-def check_socket_file(path: Path) -> None:
-    """Refuse a socket path that is a symlink, not a socket, or owned by someone else."""
-    _lstat_ours(path, "daemon socket", "socket", stat.S_ISSOCK)
+def check_socket_file(path: Path, owners: set[int] | None = None) -> None:
+    """Refuse a socket path that is a symlink, not a socket, or owned by a uid not in
+    `owners` (default: ours)."""
+    _lstat_ours(path, "daemon socket", "socket", stat.S_ISSOCK, owners)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -208,8 +231,25 @@ class SocketLock:
         self._fd = None
 
 
-def bind_unix_socket(path: Path, backlog: int = 64) -> socket.socket:
-    """Bind a listening socket created 0600 (umask applied at bind time, no chmod race)."""
+def check_socket_slot(path: Path) -> None:
+    """Daemon side, before loading: the socket path is free or a stale socket of ours.
+
+    Checked again at bind time; checking first means a planted file fails the rank in
+    milliseconds with the documented exit code instead of after a full load.
+    """
+    if not os.path.lexists(path):
+        return
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        raise SecurityError(f"{path} exists and is not a stale socket of ours; not replacing")
+
+
+def bind_unix_socket(path: Path, backlog: int = 1024, *, shared: bool = False) -> socket.socket:
+    """Bind a listening socket created 0600 (umask applied at bind time, no chmod race).
+
+    `shared` (the daemon allows other uids): 0666, so their engines can connect at all; the
+    SO_PEERCRED check against the allowed uids is then what admits or refuses them.
+    """
     if os.path.lexists(path):
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
@@ -224,6 +264,6 @@ def bind_unix_socket(path: Path, backlog: int = 64) -> socket.socket:
         raise
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, 0o666 if shared else 0o600)
     sock.listen(backlog)
     return sock

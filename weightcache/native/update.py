@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import content as content_mod
 from . import protocol as proto
 from .checkpoint import CheckpointError, open_checkpoint
-from .content import FIELD as CONTENT_FIELD
 from .loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from .rankplan import plan_rank_shard
 from .sharding import ShardingError, ShardRule
@@ -61,6 +61,7 @@ MAX_NAMED = 16  # differing tensors named in a refusal
 # Update / pause duration histogram bounds (seconds).
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 MAX_PARTICIPANT_FRAME = 64 * 1024
+CONTENT = "content"  # the fingerprint field of the exact content identity (native/content.py)
 DIGEST_CHUNK = 64 << 20
 # A participant that does not read its events within this long is dropped (never blocks us).
 PARTICIPANT_SEND_TIMEOUT_S = 5.0
@@ -116,6 +117,7 @@ class Staged:
     source: str
     seconds: float
     digest: str
+    record: dict[str, Any] = field(default_factory=dict)  # name -> content.FileDigest
     paused_at: float | None = None
     paused: int = 0
     forced: list[int] = field(default_factory=list)
@@ -225,7 +227,7 @@ class RankUpdater:
                 "generation": self.generation,
                 "phase": self.phase,
                 "model": self.model,
-                CONTENT_FIELD: self.server.fingerprint.get(CONTENT_FIELD),
+                CONTENT: self.server.fingerprint.get(CONTENT),
                 "broken": self.broken_reason,
             }
 
@@ -337,6 +339,12 @@ class RankUpdater:
                     os.close(fd)
         return proto.error(proto.E_UNKNOWN_COMMAND, f"unknown update command {cmd!r}")
 
+    HOLD_S = 600.0  # the longest a staging connection may wait between phases
+
+    def owns(self, conn: socket.socket) -> bool:
+        with self._lock:
+            return self.staged is not None and self.staged.owner is conn
+
     def connection_closed(self, conn: socket.socket) -> None:
         with self._lock:
             if self.staged is not None and self.staged.owner is conn:
@@ -406,19 +414,22 @@ class RankUpdater:
                     + ", ".join(diff[:MAX_NAMED]),
                     tensors=diff[:MAX_NAMED], count=len(diff),
                 )
+            try:
+                before = {p.name: content_mod.FileIdentity.of(os.stat(p)) for p in ckpt.files}
+            except OSError as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
             buffer = _staging(layout.nbytes, server.device)
             try:
                 load_into_arena(layout, buffer)
-            except (ArenaLayoutError, OSError, RuntimeError) as exc:
+                # The exact identity engines' claims are checked against (content.py); the
+                # files must be the ones staged: same identity before staging and after digest.
+                record = content_mod.digest_files(ckpt.files)
+            except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
-            try:  # the identity was taken before reading: the files must not have moved since
-                _, after = plan_rank_shard(ckpt, cfg.rules, tp_size=cfg.tp_size,
-                                           tp_rank=cfg.tp_rank, dtype=cfg.dtype)
-            except OSError as exc:
-                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
-            if after != fingerprint:
+            if any(record[n].identity != ident for n, ident in before.items()):
                 raise UpdateError(proto.E_BAD_REQUEST,
                                   f"{model} changed while it was being staged; retry")
+            fingerprint = {**fingerprint, CONTENT: content_mod.content_root(record)}
             digest = _sha256(buffer)
         elif source == "push":
             if len(fds) != 1:
@@ -428,11 +439,12 @@ class RankUpdater:
             digest = _sha256(buffer)
             # Served bytes no longer equal any checkpoint on disk: no engine asking for one
             # may match them, while the layout (and so every other field) is unchanged.
-            fingerprint = {**server.fingerprint, CONTENT_FIELD: "push:" + digest}
+            fingerprint = {**server.fingerprint, CONTENT: "push:" + digest}
+            record = {}  # no file on disk holds these bytes: every claim is refused
         else:
             raise UpdateError(proto.E_BAD_REQUEST, f"unknown update source {source!r}")
         return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
-                      time.monotonic() - t0, digest)
+                      time.monotonic() - t0, digest, record)
 
     def _read_push(self, fd: int) -> torch.Tensor:
         """Copy a pushed memfd (the rank's arena image) into staging; never map it writable."""
@@ -521,6 +533,7 @@ class RankUpdater:
         if self.phase != WRITTEN:
             raise UpdateError(proto.E_UPDATE_STATE, f"cannot finish: update is {self.phase}")
         self.server.fingerprint = staged.fingerprint
+        self.server.content = staged.record
         self.generation += 1
         self.model = staged.model
         self.broken_reason = None
@@ -536,7 +549,7 @@ class RankUpdater:
 
     def _identity(self) -> dict[str, Any]:
         f = self.server.fingerprint
-        return {"checkpoint": f.get("checkpoint"), CONTENT_FIELD: f.get(CONTENT_FIELD)}
+        return {"checkpoint": f.get("checkpoint"), CONTENT: f.get(CONTENT)}
 
     def _abort(self, staged: Staged, why: str) -> dict[str, Any]:
         if self.phase == WRITTEN:

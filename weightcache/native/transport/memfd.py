@@ -22,6 +22,22 @@ from .base import Imported, TransportError
 
 # Not exported by Python's fcntl module (Linux >= 5.1).
 F_SEAL_FUTURE_WRITE = 0x0010
+# What a client requires before it maps an fd: it cannot shrink under the mapping (a
+# truncated file is SIGBUS on the next read) and nobody can write the bytes any more.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def check_seals(fd: int) -> None:
+    """Refuse an fd that is not a memfd sealed against resizing and against writes."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise TransportError(f"the arena fd is not a sealable memfd: {exc}") from None
+    missing = REQUIRED_SEALS & ~seals
+    if missing or not seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+        raise TransportError(
+            f"the arena memfd is not sealed against resizing and writes (seals {seals:#x})"
+        )
 
 
 def _flat(buffer: mmap.mmap) -> torch.Tensor:
@@ -86,6 +102,7 @@ class MemfdArena:
 class MemfdImported:
     def __init__(self, fd: int, nbytes: int) -> None:
         try:
+            check_seals(fd)
             size = os.fstat(fd).st_size
             if size < nbytes:
                 raise TransportError(f"memfd holds {size} bytes, table expects {nbytes}")

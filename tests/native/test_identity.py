@@ -1,0 +1,124 @@
+"""Exact identity: cached weights only when they are byte for byte the checkpoint asked for.
+
+Real daemons, real sockets. A fine-tune keeps every header (names, dtypes, shapes, offsets)
+and changes the values; the header fingerprint alone served it as cached (issue 14, item 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcache.native import content
+from weightcache.native.checkpoint import read_header
+from weightcache.native.client import FingerprintMismatchError, attach, query
+
+from .test_attach import reference
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) >= set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def fine_tune(src: Path, dst: Path) -> Path:
+    """Same files and headers, every data byte changed (xor 1): a fine-tune of every tensor."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        _, start = read_header(f)
+        data = bytearray(f.read_bytes())
+        for i in range(start, len(data)):
+            data[i] ^= 1
+        f.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.fixture
+def own_ckpt(ckpt: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ckpt, tmp_path / "model"))
+
+
+def test_fine_tune_with_the_same_headers_is_never_served(own_ckpt, tmp_path, sock_dir, preload):
+    tuned = fine_tune(own_ckpt, tmp_path / "tuned")
+    for f in own_ckpt.glob("*.safetensors"):  # headers really are the same
+        assert read_header(f)[0] == read_header(tuned / f.name)[0]
+    ready = preload("--model", str(own_ckpt),
+                    "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    with pytest.raises(FingerprintMismatchError) as err:
+        attach(tuned, socket_dir=sock_dir, fallback=False)
+    assert err.value.fields == ["content"]
+    res = attach(tuned, socket_dir=sock_dir, fallback=True)
+    assert res.source == "disk" and res.reason.startswith("fingerprint_mismatch")
+    assert same(res.state_dict, reference(tuned))
+    # The base still hits, and a copy of it in another directory hits too (content, not path).
+    assert attach(own_ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
+    copy = Path(shutil.copytree(own_ckpt, tmp_path / "elsewhere" / "copy"))
+    hit = attach(copy, socket_dir=sock_dir, fallback=False)
+    assert hit.source == "cache" and same(hit.state_dict, reference(own_ckpt))
+    # The full digest, for an audit: `weightcache digest` agrees with the daemon's `hello`
+    # for the base (and its copy), not for the fine-tune.
+    hello = query(ready["sockets"][0], "hello")
+    for model, equal in ((own_ckpt, True), (copy, True), (tuned, False)):
+        out = subprocess.run([sys.executable, "-m", "weightcache.cli", "digest", "--model",
+                              str(model)], capture_output=True, text=True, check=True, cwd="/")
+        assert (json.loads(out.stdout)["content"] == hello["content"]) is equal, model
+
+
+def test_checkpoint_rewritten_in_place_is_detected(own_ckpt, sock_dir, preload):
+    """One byte changed in the very file the daemon read: caught with certainty (its
+    identity changed), whichever chunks the sample picks."""
+    ready = preload("--model", str(own_ckpt),
+                    "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    target = sorted(own_ckpt.glob("*.safetensors"))[0]
+    _, start = read_header(target)
+    with open(target, "r+b") as fh:
+        fh.seek(start + 3)
+        byte = fh.read(1)
+        fh.seek(start + 3)
+        fh.write(bytes([byte[0] ^ 0x80]))
+    with pytest.raises(FingerprintMismatchError) as err:
+        attach(own_ckpt, socket_dir=sock_dir, fallback=False)
+    assert err.value.fields == ["content"] and "rewritten" in str(err.value)
+    res = attach(own_ckpt, socket_dir=sock_dir, fallback=True)
+    assert res.source == "disk" and same(res.state_dict, reference(own_ckpt))
+    # Replaced by rename (a new inode at the same path): refused as well.
+    fresh = target.with_suffix(".tmp")
+    shutil.copyfile(target, fresh)
+    os.replace(fresh, target)
+    with pytest.raises(FingerprintMismatchError):
+        attach(own_ckpt, socket_dir=sock_dir, fallback=False)
+    # The daemon counted the mismatches under the fixed label `content` only.
+    stats = query(ready["sockets"][0], "stats")
+    assert set(stats["mismatches"]) == {"content"}
+
+
+def test_sampled_claim_probability_model(tmp_path):
+    """A single changed byte in a copy at another path is caught only when a sampled chunk
+    covers it: with k of n chunks sampled, in k/n of the draws (docs/native.md)."""
+    f = tmp_path / "a.safetensors"
+    f.write_bytes(os.urandom(content.CHUNK_BYTES * 10))
+    record = content.digest_files([f])
+    other = tmp_path / "copy"
+    other.mkdir()
+    g = other / "a.safetensors"
+    data = bytearray(f.read_bytes())
+    data[content.CHUNK_BYTES * 7 + 5] ^= 1
+    g.write_bytes(bytes(data))
+    caught = 0
+    draws = 200
+    for seed in range(draws):
+        claim = content.sample_claim([g], rng=random.Random(seed))
+        caught += content.verify_claim(record, claim) is not None
+    k = content._sample_counts({"a.safetensors": len(data)}, content.CHUNK_BYTES)["a.safetensors"]
+    # Binomial(200, k/10): far outside +-5 sigma would mean the sample is not uniform.
+    expected = draws * k / 10
+    sigma = (draws * (k / 10) * (1 - k / 10)) ** 0.5
+    assert abs(caught - expected) < 5 * sigma + 1
+    assert content.verify_claim(record, content.sample_claim([f])) is None
