@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import State, Supervisor
+from weightcache.agent.updates import ABORT, ALL, COMMIT, PAUSE, PREPARE, AgentUpdater
 from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("weightcache.agent.grpc")
@@ -31,12 +32,21 @@ _STATES = {
     State.FAILED: agent_pb2.RANK_STATE_FAILED,
     State.RELEASED: agent_pb2.RANK_STATE_RELEASED,
 }
+_PHASES = {
+    agent_pb2.UPDATE_PHASE_ALL: ALL,
+    agent_pb2.UPDATE_PHASE_PREPARE: PREPARE,
+    agent_pb2.UPDATE_PHASE_PAUSE: PAUSE,
+    agent_pb2.UPDATE_PHASE_COMMIT: COMMIT,
+    agent_pb2.UPDATE_PHASE_ABORT: ABORT,
+}
+MAX_PATH = 4096
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
     def __init__(self, cfg: AgentConfig, supervisor: Supervisor, alignment: Any = None) -> None:
         self.cfg = cfg
         self.supervisor = supervisor
+        self.updater = AgentUpdater(supervisor.runtime)
         self.alignment = alignment  # weightcache.agent.alignment.ReportServer, or None
 
     def Status(self, request, context):
@@ -47,6 +57,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             node_rank=cfg.node_rank, node_count=cfg.node_count, epoch=snap.epoch,
             runtime=cfg.plan.runtime, ready=snap.ready, held=snap.held,
             restarts=snap.restarts, version=__version__, message=snap.message,
+            generation=self.updater.generation([r.stats for r in snap.ranks]),
+            model_path=self.updater.model_path, revision=self.updater.revision,
         )
         for r in snap.ranks:
             since = Timestamp()
@@ -65,6 +77,26 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     def Release(self, request, context):
         released, message = self.supervisor.release(request.reason[:256])
         return agent_pb2.ReleaseResponse(released=released, message=message)
+
+    def Update(self, request, context):
+        if len(request.model_path) > MAX_PATH or len(request.revision) > 256:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_path or revision too long")
+        phase = _PHASES.get(request.phase)
+        if phase is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown phase {request.phase}")
+        out = self.updater.update(
+            phase=phase, model_path=request.model_path, revision=request.revision,
+            force=request.force, pause_deadline_s=request.pause_deadline_seconds)
+        report = out.report or {}
+        self.supervisor.refresh_now()  # stats carry the new generation
+        return agent_pb2.UpdateResponse(
+            ok=out.ok, error=out.error, message=out.message[:1024],
+            generation=int(report.get("generation") or 0), revision=self.updater.revision,
+            bytes=int(report.get("bytes") or 0),
+            seconds_staged=float(report.get("seconds_staged") or 0),
+            seconds_paused=float(report.get("seconds_paused") or 0),
+            engines_paused=int(report.get("engines_paused") or 0), broken=out.broken,
+            tensors=(out.tensors or [])[:16])
 
     def Restart(self, request, context):
         accepted, epoch, message = self.supervisor.restart(request.epoch)

@@ -33,7 +33,10 @@ from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
 CACHE_LABELS = ["cache", "namespace", "node"]
 RANK_LABELS = [*CACHE_LABELS, "rank", "tp_rank", "dp_rank", "gpu_uuid", "role", "UUID", "Hostname"]
 # Daemon results folded into three values so a misbehaving peer cannot grow label sets.
-KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watch", "stats"})
+KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watch", "stats",
+                            "get_table", "update_stage", "update_pause", "update_write",
+                            "update_finish", "update_abort"})
+UPDATE_RESULTS = frozenset({"ok", "refused", "timeout", "aborted", "failed"})
 # Mismatch labels: the fingerprint's fixed fields; anything else a daemon reports is `other`.
 MISMATCH_FIELDS = frozenset(FINGERPRINT_FIELDS)
 MAX_BUCKETS = 32  # histogram bounds taken from the daemons' stats (theirs are 14 + Inf)
@@ -122,6 +125,10 @@ class AgentCollector(Collector):
             "Engines holding a watch connection on a rank (the agent's own watch excluded).",
             labels=[*CACHE_LABELS, "rank", "role"])
         buckets: list[str] = []
+        generation = GaugeMetricFamily(
+            "weightcache_cache_generation",
+            "In-place update generation a rank serves (1: as loaded; +1 per update).",
+            labels=[*CACHE_LABELS, "rank", "role"])
         with self._lock:
             for r in snap.ranks:
                 st = r.stats
@@ -150,6 +157,19 @@ class AgentCollector(Collector):
                 for key, n in folded.items():
                     self._acc.observe(src, key, n)
                 self._acc.observe(src, ("hsum",), _num(hist.get("sum", 0)))
+                upd = st.get("updates") or {}
+                if upd:
+                    generation.add_metric([*where, str(r.spec.global_rank), r.spec.role],
+                                          _num(upd.get("generation", 1)))
+                    for res, n in (upd.get("results") or {}).items():
+                        res = res if res in UPDATE_RESULTS else "other"
+                        self._acc.observe(src, ("upd", res), _num(n))
+                    for key in ("update_seconds", "pause_seconds"):
+                        h = upd.get(key) or {}
+                        for bound, n in h.get("buckets") or []:
+                            le = "+Inf" if str(bound) == "+Inf" else repr(float(bound))
+                            self._acc.observe(src, (key, le), _num(n))
+                        self._acc.observe(src, (key + "_sum",), _num(h.get("sum", 0)))
                 watchers = int(_num(st.get("watchers", 0)))
                 own = 1 if r.state == State.READY else 0
                 attached.add_metric([*where, str(r.spec.global_rank), r.spec.role],
@@ -158,6 +178,9 @@ class AgentCollector(Collector):
             mm_totals = self._acc.totals("mm")
             bucket_totals = self._acc.totals("bucket")
             hsum = self._acc.totals("hsum").get((), 0.0)
+            upd_totals = self._acc.totals("upd")
+            upd_hists = {key: (self._acc.totals(key), self._acc.totals(key + "_sum").get((), 0.0))
+                         for key in ("update_seconds", "pause_seconds")}
         requests = CounterMetricFamily("weightcache_daemon_requests",
                                        "Requests the native daemons answered, by result.",
                                        labels=[*CACHE_LABELS, "command", "result"])
@@ -180,6 +203,26 @@ class AgentCollector(Collector):
         hist_family.add_metric(where, pairs, hsum)
         yield hist_family
         yield attached
+        yield generation
+        updates = CounterMetricFamily("weightcache_updates",
+                                      "In-place updates the ranks went through, by result.",
+                                      labels=[*CACHE_LABELS, "result"])
+        for (res,), n in sorted(upd_totals.items()):
+            updates.add_metric([*where, res], n)
+        yield updates
+        for key, name, help_ in (
+            ("update_seconds", "weightcache_update_duration_seconds",
+             "Seconds an in-place update took on a rank, staging included."),
+            ("pause_seconds", "weightcache_update_pause_seconds",
+             "Seconds engines were paused by an in-place update (begin to finish)."),
+        ):
+            totals, total_sum = upd_hists[key]
+            family = HistogramMetricFamily(name, help_, labels=CACHE_LABELS)
+            if totals:
+                bounds = sorted((b for b in totals if b[0] != "+Inf"), key=lambda b: float(b[0]))
+                pairs = [(b[0], totals[b]) for b in bounds] + [("+Inf", totals.get(("+Inf",), 0))]
+                family.add_metric(where, pairs, total_sum)
+            yield family
 
 
 def _items(value: Any) -> list[tuple[Any, Any]]:

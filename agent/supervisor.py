@@ -191,6 +191,12 @@ class Supervisor:
         self._wake.set()
         return True, epoch, self.message
 
+    def refresh_now(self) -> None:
+        """Re-probe ready ranks at the next tick (their stats changed, e.g. after an update)."""
+        with self._lock:
+            self._last_refresh = 0.0
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop every rank, remove their sockets, and end the loop (SIGTERM path)."""
         self._stopping.set()

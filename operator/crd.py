@@ -76,6 +76,11 @@ def spec_schema() -> dict:
                 "/models, type: Directory}} or {persistentVolumeClaim: {claimName: models, "
                 "readOnly: true}}. Default: the node's directory at mountPath."
             ),
+            "revision": _str(
+                "A label for the checkpoint's revision (e.g. a training step). Changing it, or "
+                "path, moves the cache to the new revision as updateStrategy says; reported "
+                "per node in status."
+            ),
         },
         required=["path"],
     )
@@ -232,6 +237,15 @@ def spec_schema() -> dict:
                 maximum=S.MAX_GPUS_PER_NODE,
             ),
             "placement": placement,
+            "updateStrategy": _obj(
+                "How a new model revision (spec.model.path or revision) reaches a running "
+                "cache. InPlace (default, runtime native): the daemons write the new revision "
+                "into their existing memory while engines pause, keeping every address; "
+                "refused (and reported) when the tensor layout differs. Recreate: restart the "
+                "group on the new revision (what runtime vllm always does).",
+                {"type": _str("InPlace or Recreate.", enum=list(S.UPDATE_STRATEGIES),
+                              default="InPlace")},
+            ),
             "socketDir": _str(
                 "Absolute host directory of the daemons' Unix sockets (mounted into engine "
                 "pods). Default: /var/run/weightcache/<namespace>/<name>.",
@@ -275,7 +289,7 @@ def _condition() -> dict:
     return _obj(
         "A standard condition (Kubernetes API conventions, metav1.Condition).",
         {
-            "type": _str("Ready, Progressing or Degraded.", maxLength=316),
+            "type": _str("Ready, Progressing, Degraded or Updating.", maxLength=316),
             "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "reason": _str(
                 "CamelCase reason.", minLength=1, maxLength=1024, pattern=CONDITION_REASON_PATTERN
@@ -299,6 +313,8 @@ def status_schema() -> dict:
             "ready": _bool("Whether the node's agent pod is Ready."),
             "pod": _str("The agent pod on this node."),
             "restarts": _int("Container restarts of that pod (a restart restarts the group)."),
+            "generation": _int("In-place update generation its daemons serve (1: as loaded)."),
+            "revision": _str("spec.model.revision its daemons serve."),
         },
     )
     return _obj(
@@ -307,7 +323,8 @@ def status_schema() -> dict:
             "phase": _str("Summary of the state.", enum=PHASES),
             "conditions": {
                 "type": "array",
-                "description": "Ready, Progressing and Degraded conditions.",
+                "description": "Ready, Progressing, Degraded and (after a revision change) "
+                "Updating conditions.",
                 "items": _condition(),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
@@ -321,6 +338,11 @@ def status_schema() -> dict:
             "readyNodes": _int("Placed nodes whose agent pod is Ready."),
             "nodes": {"type": "array", "description": "Placed nodes by rank.", "items": node_entry},
             "message": _str("The latest problem, if any, in one line."),
+            "model": _obj(
+                "The model revision the group serves (it trails spec.model while an update "
+                "runs or after one was refused).",
+                {"path": _str("Checkpoint directory."), "revision": _str("Revision label.")},
+            ),
             "podSecurity": _str(
                 "The Pod Security level the namespace enforces "
                 "(pod-security.kubernetes.io/enforce), when it is not privileged: agents and "

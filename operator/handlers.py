@@ -30,14 +30,20 @@ from typing import Any
 import kopf
 
 from weightcache import constants as C
-from weightcache.operator import agentstatus, alignment_events, events, podsecurity
+from weightcache.operator import agentstatus, agentupdate, alignment_events, events, podsecurity
 from weightcache.operator import nodes as node_labels
 from weightcache.operator import resources as R
 from weightcache.operator import status as S
 from weightcache.operator.kube import ApiError, Kube, login, path
 from weightcache.operator.metrics import OperatorMetrics
 from weightcache.operator.placement import NodeInfo, place, ranks_per_node
-from weightcache.operator.spec import layout, name_problems, validate, with_defaults
+from weightcache.operator.spec import (
+    layout,
+    name_problems,
+    update_strategy,
+    validate,
+    with_defaults,
+)
 
 registry = kopf.OperatorRegistry()
 EVENT_SOURCE = "weightcache-operator"
@@ -236,7 +242,22 @@ class Controller:
             await self.event(body, "Warning", "GroupRestart", message)
             logger.warning(message)
 
-        doc = R.plan(body, spec, lay, result.nodes, epoch)
+        # The model revision the group serves trails spec.model until an in-place update of
+        # it succeeded; the plan (what a restarting agent loads) names the served one.
+        desired = model_of(spec)
+        served = dict(previous.get("model") or desired)
+        update_cond: S.Cond | None = None
+        if served != desired and update_strategy(spec) == "Recreate":
+            note = (
+                "runtime vllm cannot update in place (vLLM's weight-cache daemon has no update "
+                "command); recreating the group on the new revision"
+                if spec["runtime"] == "vllm"
+                else "updateStrategy Recreate: restarting the group on the new revision"
+            )
+            await self.event(body, "Normal", "Recreating", note)
+            served, update_cond = desired, S.Cond(False, "Recreated", note)
+        plan_spec = serving(spec, served)
+        doc = R.plan(body, plan_spec, lay, result.nodes, epoch)
         digest = R.plan_hash(doc)
         level = await self._pod_security_level(namespace)
         try:
@@ -245,7 +266,7 @@ class Controller:
                     (R.configmap(body, doc), "v1", "configmaps"),
                     (R.service(body, spec), "v1", "services"),
                     (
-                        R.daemonset(body, spec, doc, result.nodes, self.options.agent),
+                        R.daemonset(body, plan_spec, doc, result.nodes, self.options.agent),
                         "apps/v1",
                         "daemonsets",
                     ),
@@ -283,6 +304,16 @@ class Controller:
             )
             for node, rank in ranks.items()
         ]
+        generations = {
+            n["node"]: n for n in previous.get("nodes") or [] if n.get("pod")
+        }
+        if served != desired:
+            served, update_cond, updated = await self._update_in_place(
+                body, previous, spec, desired, served, current, ranks)
+            if served == desired:
+                doc = R.plan(body, serving(spec, served), lay, result.nodes, epoch)
+                await self._apply(R.configmap(body, doc), "v1", "configmaps")
+                generations = updated
         if self.options.agent_status:
             addresses = [
                 f"{pod.ip}:{spec['ports']['grpc']}"
@@ -327,9 +358,58 @@ class Controller:
             )
         # The webhook warns engine pods from this; null removes a stale value (merge patch).
         new["podSecurity"] = level if level != podsecurity.PRIVILEGED else None
+        new["model"] = served
+        for entry in new["nodes"]:
+            seen = generations.get(entry["node"]) or {}
+            same_pod = seen.get("pod") == entry["pod"]
+            entry["generation"] = int(seen.get("generation", 1)) if same_pod else 1
+            entry["revision"] = served["revision"]
+        S.with_updating(new, previous, update_cond, generation)
+        if update_cond is not None and not update_cond.status and served != desired:
+            new["message"] = update_cond.message
         ready_nodes = list(ranks) if new["phase"] == "Ready" else []
         await self._finish(body, key, previous, new, labels_by_node, ready_nodes=ready_nodes)
         return new["phase"]
+
+    async def _update_in_place(
+        self,
+        body: Mapping[str, Any],
+        previous: Mapping[str, Any],
+        spec: Mapping[str, Any],
+        desired: dict[str, str],
+        served: dict[str, str],
+        current: Mapping[str, PodInfo],
+        ranks: Mapping[str, int],
+    ) -> tuple[dict[str, str], S.Cond, dict[str, dict[str, Any]]]:
+        """Try the in-place update once per target revision, when the whole group is ready.
+
+        Returns the served revision, the Updating condition and the per-node generations."""
+        old = next((c for c in previous.get("conditions") or () if c.get("type") == S.UPDATING),
+                   None)
+        target = f"{desired['path']}@{desired['revision']}"
+        if (old is not None and old.get("reason") not in ("Updated", "Recreated")
+                and f"update to {target} " in (old.get("message") or "")):
+            # Refused or failed for this very target: wait for a new spec, do not hammer.
+            return served, S.Cond(False, old["reason"], old["message"]), {}
+        group_ready = len(current) == len(ranks) and all(
+            p.ready and p.ip for p in current.values())
+        if not group_ready:
+            return served, S.Cond(True, "WaitingForGroup",
+                                  f"waiting for every node to be ready to update to {target}"), {}
+        by_address = {f"{p.ip}:{spec['ports']['grpc']}": p for p in current.values()}
+        result = await agentupdate.update_group(list(by_address), desired["path"],
+                                                desired["revision"])
+        if not result.ok:
+            message = (f"update to {target} {'failed' if result.broken else 'refused'}: "
+                       f"{result.message}; still serving {served['path']}@{served['revision']}")
+            await self.event(body, "Warning", result.reason, message)
+            return served, S.Cond(False, result.reason, message), {}
+        gens = {by_address[a].node: {"pod": by_address[a].name, "generation": g}
+                for a, g in result.generations.items()}
+        message = (f"updated in place to {target} on {len(gens)} node(s), generation "
+                   f"{max(result.generations.values(), default=0)}")
+        await self.event(body, "Normal", "Updated", message)
+        return dict(desired), S.Cond(False, "Updated", message), gens
 
     @staticmethod
     def _group_failed(
@@ -521,6 +601,20 @@ class Controller:
         }
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ())
         self.forget((namespace, name))
+
+
+def model_of(spec: Mapping[str, Any]) -> dict[str, str]:
+    model = spec.get("model") or {}
+    return {"path": str(model.get("path", "")), "revision": str(model.get("revision") or "")}
+
+
+def serving(spec: Mapping[str, Any], served: Mapping[str, str]) -> dict[str, Any]:
+    """`spec` with the model revision the group actually serves."""
+    model = {**(spec.get("model") or {}), "path": served["path"]}
+    model.pop("revision", None)
+    if served.get("revision"):
+        model["revision"] = served["revision"]
+    return {**spec, "model": model}
 
 
 def controller(memo: Any) -> Controller:

@@ -140,7 +140,19 @@ def plan(
 
 
 def plan_hash(doc: Plan) -> str:
-    return hashlib.sha256(doc.to_json().encode()).hexdigest()[:16]
+    """Hash of what the agent pods must be recreated for (the DaemonSet template carries it).
+
+    The update strategy never restarts pods by itself, and with InPlace updates on runtime
+    native neither does a new model path or revision: those reach the daemons through the
+    agents' Update RPC, and the plan ConfigMap follows once the update succeeded."""
+    view = json.loads(doc.to_json())
+    spec = view.get("spec") or {}
+    strategy = (spec.pop("updateStrategy", None) or {}).get("type", "InPlace")
+    if view.get("runtime") == "native" and strategy == "InPlace":
+        for key in ("path", "revision"):
+            (spec.get("model") or {}).pop(key, None)
+    canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def configmap(cache: Mapping[str, Any], doc: Plan) -> dict[str, Any]:

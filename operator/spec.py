@@ -121,6 +121,16 @@ def _int(value: Any, default: int) -> int:
     return value
 
 
+UPDATE_STRATEGIES = ("InPlace", "Recreate")
+
+
+def update_strategy(spec: dict) -> str:
+    """InPlace or Recreate for a defaulted, valid spec; runtime vllm always recreates (its
+    daemon has no update command: vllm/model_executor/model_loader/weight_cache/daemon.py)."""
+    wanted = ((spec.get("updateStrategy") or {}).get("type")) or "InPlace"
+    return wanted if spec.get("runtime") == "native" else "Recreate"
+
+
 def with_defaults(spec: dict, namespace: str, name: str) -> dict:
     """Return a deep copy of `spec` with every default of docs/interfaces.md filled in.
 
@@ -137,6 +147,9 @@ def with_defaults(spec: dict, namespace: str, name: str) -> dict:
         if "volume" not in model and isinstance(model.get("mountPath"), str):
             # Without a volume the checkpoint is read from the same path on the node.
             model["volume"] = {"hostPath": {"path": model["mountPath"], "type": "Directory"}}
+    strategy = out.setdefault("updateStrategy", {})
+    if isinstance(strategy, dict):
+        strategy.setdefault("type", "InPlace")
     engine_args = out.setdefault("engineArgs", {})
     if isinstance(engine_args, dict):
         engine_args.setdefault("dtype", "auto")
@@ -236,6 +249,19 @@ def validate(spec: dict) -> list[Problem]:
     problems += _check_ports(full.get("ports"))
     problems += _check_socket_dir(full.get("socketDir"))
     problems += _check_engine(full.get("engine"))
+    problems += _check_update_strategy(full.get("updateStrategy"), full.get("model"))
+    return problems
+
+
+def _check_update_strategy(strategy: Any, model: Any) -> list[Problem]:
+    problems = []
+    kind = strategy.get("type") if isinstance(strategy, dict) else strategy
+    if kind not in UPDATE_STRATEGIES:
+        problems.append(Problem("spec.updateStrategy.type",
+                                f"must be one of {', '.join(UPDATE_STRATEGIES)}, not {kind!r}"))
+    revision = model.get("revision") if isinstance(model, dict) else None
+    if revision is not None and (not isinstance(revision, str) or len(revision) > 256):
+        problems.append(Problem("spec.model.revision", "must be a string of at most 256 chars"))
     return problems
 
 

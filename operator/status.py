@@ -16,6 +16,7 @@ from weightcache.operator.spec import Problem
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+UPDATING = "Updating"  # present once the model revision changed (set by `with_updating`)
 MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
 NODES_NAMED = 8  # messages name this many nodes, then count the rest
 
@@ -282,6 +283,29 @@ def transition_event(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[st
         reason = ready.get("reason") or reason
     message = new.get("message") or ready.get("message") or phase
     return kind, reason, message
+
+
+def with_updating(
+    status: dict[str, Any], previous: Mapping[str, Any], cond: Cond | None,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add (or carry) the Updating condition; None carries the previous one unchanged."""
+    old = next((c for c in previous.get("conditions") or () if c.get("type") == UPDATING), None)
+    if cond is None:
+        if old is not None:
+            status["conditions"] = [*status["conditions"], dict(old)]
+        return status
+    flag = "True" if cond.status else "False"
+    entry = {
+        "type": UPDATING, "status": flag, "reason": cond.reason,
+        "message": cond.message[:MAX_MESSAGE],
+        "lastTransitionTime": old.get("lastTransitionTime")
+        if old is not None and old.get("status") == flag else now(),
+    }
+    if generation is not None:
+        entry["observedGeneration"] = generation
+    status["conditions"] = [*status["conditions"], entry]
+    return status
 
 
 def same(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

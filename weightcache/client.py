@@ -2,6 +2,7 @@
 
     from weightcache.client import load_state_dict, materialize
     from weightcache.client import from_pretrained      # transformers (the `transformers` extra)
+    from weightcache.client import follow_updates, ModelGate   # in-place updates
 
 This module is the stable face; the implementation lives in `weightcache.native.client` and
 may move. It imports torch only through that module, never the operator or the node agent;
@@ -12,6 +13,12 @@ from typing import Any
 
 from weightcache.native.client import *  # noqa: F403
 from weightcache.native.client import __all__ as _native_all
+from weightcache.native.updates import (  # in-place updates (docs/updates.md)
+    ModelGate,
+    UpdateParticipant,
+    follow_updates,
+    push_update,
+)
 
 
 def from_pretrained(model_dir: Any, **options: Any) -> Any:
@@ -22,4 +29,7 @@ def from_pretrained(model_dir: Any, **options: Any) -> Any:
     return build(model_dir, **options)
 
 
-__all__ = [*_native_all, "from_pretrained"]
+__all__ = [
+    *_native_all, "from_pretrained", "ModelGate", "UpdateParticipant", "follow_updates",
+    "push_update",
+]

@@ -47,6 +47,7 @@ class Runtime(ABC):
     """A daemon implementation the agent can supervise."""
 
     name: ClassVar[str]
+    _model_override: str | None = None  # set by an in-place update (agent/updates.py)
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
@@ -86,6 +87,18 @@ class Runtime(ABC):
     def collect_stats(self) -> bool:
         """Whether `Probe.stats` carries request counters worth exporting."""
         return False
+
+    def update_sockets(self) -> list[str] | None:
+        """The sockets an in-place update goes to (None: this runtime cannot update in place)."""
+        return None
+
+    def served_model(self) -> str:
+        """The checkpoint the child serves: the plan's, or the last in-place update's."""
+        return str(self._model_override or self.cfg.spec["model"]["path"])
+
+    def serve_model(self, path: str) -> None:
+        """After an in-place update: launch the child on `path` from now on."""
+        self._model_override = path
 
 
 def socket_is_ours(path: str, private_dir: str) -> str | None:

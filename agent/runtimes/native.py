@@ -90,7 +90,7 @@ class NativeRuntime(Runtime):
     def command(self) -> list[str]:
         cfg, spec = self.cfg, self.cfg.spec
         argv = [*python_module("weightcache.cli"), "preload",
-                "--model", spec["model"]["path"],
+                "--model", self.served_model(),
                 *parallel_args(self.flags),
                 "--exit-with-parent",
                 "--weight-cache-socket-dir", cfg.socket_dir,
@@ -134,6 +134,9 @@ class NativeRuntime(Runtime):
 
     def collect_stats(self) -> bool:
         return True
+
+    def update_sockets(self) -> list[str]:
+        return [r.socket_path for r in self.ranks()]
 
     def loading_bytes(self, timeout: float) -> dict[int, int]:
         """The launcher's /health lists each rank's `bytes_loaded` while it loads."""

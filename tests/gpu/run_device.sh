@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS]     e.g.  tests bench 1b,8b
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE]  e.g.  tests bench 1b,8b update 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
 set -u
@@ -55,6 +55,15 @@ while [ $# -gt 0 ]; do
       WEIGHTCACHE_BENCH_GPU_MODELS="$MODELS" WEIGHTCACHE_BENCH_GPU_OUT="$OUT/bench_gpu.json" \
         WEIGHTCACHE_BENCH_GPU_WORKDIR="$WORK" \
         timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.cli bench --device cuda gpu 2>&1 | tee "$OUT/bench_gpu.log"
+      rm -rf "$WORK"
+      ;;
+    update)
+      # In-place update vs rolling restart (weightcache/bench/update.py): two revisions of one
+      # shape, e.g. `update 8b` (2 x 16 GB on disk).
+      SIZE=${2:-8b}; shift 2 || shift
+      WORK=/var/tmp/wc-update; mkdir -p "$WORK"
+      timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.bench.update --device cuda \
+        --size "$SIZE" --workdir "$WORK" --out "$OUT/bench_update.json" 2>&1 | tee "$OUT/bench_update.log"
       rm -rf "$WORK"
       ;;
     load)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +70,31 @@ def raw_connect(path: str | Path, timeout: float = 5.0) -> socket.socket:
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def as_uid(uid: int, fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a forked child whose effective uid (what SO_PEERCRED reports) is `uid`.
+
+    The child keeps root's filesystem uid, so socket file permissions let it through: a
+    refusal must come from the daemon's own peer check. `fn`'s JSON-able result comes back.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery, only what fn does
+        code = 1
+        try:
+            os.close(r)
+            os.seteuid(uid)
+            ctypes.CDLL(None).setfsuid(0)
+            os.write(w, json.dumps(fn()).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(w, repr(exc).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, data
+    return json.loads(data)

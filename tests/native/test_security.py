@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import socket
 import stat
@@ -18,7 +16,7 @@ from weightcache.native.client import CacheSecurityError, attach, query
 from weightcache.native.identity import cpu_identity, socket_path
 from weightcache.native.security import SecurityError, check_dir, prepare_socket_dir
 
-from .conftest import private_dir, raw_connect
+from .conftest import as_uid, private_dir, raw_connect
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root to create files owned by others")
@@ -99,28 +97,12 @@ def test_peer_uid_is_checked_with_so_peercred(served):
     """
     sock = served[1]["sockets"][0]
     nobody = 65534
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no pytest machinery, only a connect and a write
-        code = 1
-        try:
-            os.close(r)
-            os.seteuid(nobody)
-            ctypes.CDLL(None).setfsuid(0)
-            with raw_connect(sock) as s:  # the daemon speaks first when it refuses
-                reply, _ = proto.recv_frame(s)
-            os.write(w, json.dumps(reply).encode())
-            code = 0
-        except BaseException as exc:
-            os.write(w, repr(exc).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, data
-    reply = json.loads(data)
+
+    def connect() -> dict:
+        with raw_connect(sock) as s:  # the daemon speaks first when it refuses
+            return proto.recv_frame(s)[0]
+
+    reply = as_uid(nobody, connect)
     assert reply["ok"] is False and reply["error"] == "permission_denied"
     assert f"runs as uid {nobody}, allowed: [0]" in reply["message"]
     stats = query(sock, "stats")

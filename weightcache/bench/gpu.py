@@ -78,13 +78,15 @@ MODELS: dict[str, dict[str, Any]] = {
 ALIASES = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b", "32g": "llama-70b-16l"}
 
 
-def write_checkpoint(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Stream a sharded bf16 safetensors checkpoint to disk (no full copy in memory)."""
+def write_checkpoint(path: Path, spec: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Stream a sharded bf16 safetensors checkpoint to disk (no full copy in memory).
+
+    Another `seed` gives the same headers with other bytes (a new revision of the model)."""
     import numpy as np
 
     shapes = llama_shapes(**spec)
     path.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     # 256 MiB of random bf16 bit patterns (exponents kept sane), sliced at varying offsets.
     pool = rng.integers(0x3C00, 0x3F80, size=128 * MiB, dtype=np.uint16)
     pool |= (rng.integers(0, 2, size=pool.size, dtype=np.uint16) << 15).astype(np.uint16)

@@ -24,6 +24,7 @@ SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
     "identity": "weightcache.bench.identity",
     "gpu": "weightcache.bench.gpu",
+    "update": "weightcache.bench.update",
     "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",

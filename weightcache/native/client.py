@@ -120,6 +120,7 @@ class AttachResult:
     mode: str
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
+    generation: int | None = None  # the cache's update generation served (None: from disk)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -303,7 +304,7 @@ def _check_table(plan: RankPlan, reply: dict[str, Any]) -> None:
 def _from_cache_unchecked(
     plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
-) -> tuple[dict[str, torch.Tensor], int]:
+) -> tuple[dict[str, torch.Tensor], int, int | None]:
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
         hello, _ = request(sock, "hello")
         _raise_for(hello)
@@ -364,7 +365,8 @@ def _from_cache_unchecked(
             imported.close()
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).
-        return state, flat.numel()
+        generation = reply.get("generation")
+        return state, flat.numel(), generation if isinstance(generation, int) else None
 
 
 def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
@@ -425,12 +427,13 @@ def attach(
             except SecurityError as exc:
                 raise CacheSecurityError(str(exc)) from None
             path = derive_socket_path(directory, plan.identity, role)
-        state, nbytes = _from_cache(
+        state, nbytes, generation = _from_cache(
             plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
             connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
         )
         source, reason = "cache", None
     except WeightCacheError as exc:
+        generation = None
         if not fallback:
             raise
         reason = f"{exc.reason}: {exc}"
@@ -451,6 +454,7 @@ def attach(
         mode=mode,
         socket=str(path) if path else None,
         aliases=dict(plan.layout.aliases),
+        generation=generation,
     )
 
 

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lo
 
     from .loader import ArenaLayout
     from .transport import Arena
+    from .update import RankUpdater
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -202,6 +203,7 @@ class RankServer:
         self.zero_copy_attaches = 0
         self.released_bytes = 0
         self.stopping = threading.Event()
+        self.updates: RankUpdater | None = None  # set by run(): in-place updates
 
     # -- commands ---------------------------------------------------------------------------
     def _device_info(self) -> dict[str, Any]:
@@ -224,6 +226,7 @@ class RankServer:
             ready=self.arena is not None,
             pid=os.getpid(),
             content=self.fingerprint.get("content"),
+            **({"update": self.updates.info()} if self.updates else {}),
         ), []
 
     def cmd_get_memory(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -247,6 +250,7 @@ class RankServer:
             bytes=self.nbytes if self.arena is not None else 0,
             load_seconds=self.load_seconds,
             ready=self.arena is not None,
+            **({"updates": self.updates.snapshot()} if self.updates else {}),
         ), []
 
     def cmd_get_state(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -266,6 +270,10 @@ class RankServer:
                 f"this rank serves transport {self.transport_name!r}, not {wanted!r}",
                 available=[self.transport_name],
             ), []
+        if self.updates is not None:
+            held = self.updates.wait_serving()  # no engine maps bytes being rewritten
+            if held is not None:
+                return held, []
         fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
         if fields:
             self.stats.mismatch(fields)
@@ -282,7 +290,8 @@ class RankServer:
                 return proto.error(proto.E_RELEASED, "the cache was released"), []
             meta, fds = self.arena.export()
             # Duplicates: a concurrent `release` may close the arena's own fds before we send.
-            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta)
+            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
+                             generation=self.updates.generation if self.updates else 1)
             if mode == "zero_copy":
                 self.zero_copy_attaches += 1
             return reply, [os.dup(fd) for fd in fds]
@@ -333,8 +342,13 @@ class RankServer:
             while not self.stopping.is_set():
                 # One deadline for the whole request, however slowly its bytes come.
                 deadline = time.monotonic() + IDLE_TIMEOUT_S
+                if self.updates is not None and self.updates.owns(conn):
+                    # A coordinator holding a staged update waits on the other ranks (or
+                    # nodes) between phases; its own close aborts the update.
+                    deadline = time.monotonic() + self.updates.HOLD_S
                 try:
-                    req, _ = proto.recv_frame(conn, max_frame=MAX_REQUEST, deadline=deadline)
+                    req, fds_in = proto.recv_frame(conn, max_frame=MAX_REQUEST, deadline=deadline,
+                                                   accept_fds=True)
                 except proto.PeerClosedError:
                     return
                 except proto.ProtocolError as exc:
@@ -349,6 +363,48 @@ class RankServer:
                         proto.E_BAD_REQUEST, "cmd must be a short string"))
                     continue
                 conn.settimeout(IDLE_TIMEOUT_S)  # the reply must be taken in time, too
+                if fds_in and cmd not in proto.FD_COMMANDS:
+                    for fd in fds_in:
+                        os.close(fd)
+                    self.stats.request("invalid", proto.E_BAD_FRAME)
+                    proto.send_frame(conn, proto.error(proto.E_BAD_FRAME,
+                                                       f"{cmd!r} does not take fds"))
+                    return
+                if cmd in proto.UPDATE_COMMANDS and self.updates is not None:
+                    if peer[1] != os.getuid() and cmd != "get_table":
+                        # Engines of other uids may read the cache, never rewrite it.
+                        for fd in fds_in:
+                            os.close(fd)
+                        self.stats.request(cmd, proto.E_PERMISSION_DENIED)
+                        proto.send_frame(conn, proto.error(
+                            proto.E_PERMISSION_DENIED, f"{cmd} is reserved to uid {os.getuid()}"))
+                        continue
+                    try:
+                        reply = self.updates.handle(conn, cmd, req, fds_in)
+                    except Exception as exc:  # a bug must not take the rank down
+                        log.exception("command %s failed", cmd)
+                        reply = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}")
+                    self.stats.request(cmd, "ok" if reply.get("ok") else reply.get("error", "?"))
+                    proto.send_frame(conn, reply)
+                    continue
+                if cmd == "watch" and isinstance(req.get("participant"), dict) and self.updates:
+                    # An engine's update stream: a watcher (watch pool) that also answers.
+                    why = self._watch_slots.acquire(peer[0], peer[1])
+                    if why:
+                        self.stats.request("watch", proto.E_BUSY)
+                        proto.send_frame(conn, proto.error(proto.E_BUSY, f"watch: {why}"))
+                        return
+                    self._slots.release(peer[0], peer[1])
+                    pool = self._watch_slots
+                    self.stats.request("watch", "ok")
+                    self.stats.adjust("watchers", 1)
+                    self._watchers.add(conn)
+                    try:
+                        self.updates.participate(conn, peer[0], req["participant"])
+                    finally:
+                        self._watchers.discard(conn)
+                        self.stats.adjust("watchers", -1)
+                    return
                 if cmd == "watch":
                     if self._watch(conn, peer):
                         self._slots.release(peer[0], peer[1])  # a watcher holds no attach slot
@@ -375,6 +431,8 @@ class RankServer:
                         os.close(fd)
                 if cmd == "get_state" and reply.get("ok"):
                     served_state = True
+                    if self.updates is not None:
+                        self.updates.note_attach(peer[0], req.get("mode"))
         except (OSError, proto.ProtocolError):
             return
         except Exception:  # never let one connection's surprise kill silently
@@ -382,6 +440,8 @@ class RankServer:
             with contextlib.suppress(OSError, proto.ProtocolError):
                 proto.send_frame(conn, proto.error(proto.E_INTERNAL, "internal error"))
         finally:
+            if self.updates is not None:
+                self.updates.connection_closed(conn)
             with contextlib.suppress(OSError):
                 conn.close()
             if served_state:
@@ -654,6 +714,10 @@ def run(args: argparse.Namespace) -> int:
             allowed_uids={os.getuid(), *args.allow_uid},
             content=record,
         )
+        from .update import RankUpdater, UpdateConfig
+
+        server.updates = RankUpdater(server, UpdateConfig(
+            rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype, model=str(args.model)))
         try:
             listener = bind_unix_socket(path, limits.LISTEN_BACKLOG,
                                         shared=bool(args.allow_uid))

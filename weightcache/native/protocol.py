@@ -35,6 +35,12 @@ E_TRANSPORT_UNAVAILABLE = "transport_unavailable"
 E_PERMISSION_DENIED = "permission_denied"
 E_BUSY = "busy"
 E_INTERNAL = "internal"
+# In-place updates (native/update.py).
+E_LAYOUT_MISMATCH = "layout_mismatch"
+E_UPDATE_STATE = "update_state"
+E_PAUSE_TIMEOUT = "pause_timeout"
+E_UNPAUSABLE = "unpausable_engine"
+E_BROKEN = "broken"
 ERROR_CODES = frozenset(
     {
         E_BAD_FRAME,
@@ -48,9 +54,20 @@ ERROR_CODES = frozenset(
         E_PERMISSION_DENIED,
         E_BUSY,
         E_INTERNAL,
+        E_LAYOUT_MISMATCH,
+        E_UPDATE_STATE,
+        E_PAUSE_TIMEOUT,
+        E_UNPAUSABLE,
+        E_BROKEN,
     }
 )
 COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
+# In-place update commands, handled by native/update.py (docs/updates.md).
+UPDATE_COMMANDS = (
+    "get_table", "update_stage", "update_pause", "update_write", "update_finish", "update_abort"
+)
+# The only command a client may attach fds to: an RL trainer's pushed arena image (one memfd).
+FD_COMMANDS = frozenset({"update_stage"})
 
 
 class ProtocolError(RuntimeError):

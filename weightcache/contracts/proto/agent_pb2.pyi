@@ -10,6 +10,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UpdatePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_PHASE_ALL: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_PREPARE: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_PAUSE: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_COMMIT: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_ABORT: _ClassVar[UpdatePhase]
+
 class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RANK_STATE_UNSPECIFIED: _ClassVar[RankState]
@@ -18,6 +26,11 @@ class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_STATE_READY: _ClassVar[RankState]
     RANK_STATE_FAILED: _ClassVar[RankState]
     RANK_STATE_RELEASED: _ClassVar[RankState]
+UPDATE_PHASE_ALL: UpdatePhase
+UPDATE_PHASE_PREPARE: UpdatePhase
+UPDATE_PHASE_PAUSE: UpdatePhase
+UPDATE_PHASE_COMMIT: UpdatePhase
+UPDATE_PHASE_ABORT: UpdatePhase
 RANK_STATE_UNSPECIFIED: RankState
 RANK_STATE_PENDING: RankState
 RANK_STATE_LOADING: RankState
@@ -58,7 +71,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message", "alignment_misses")
+    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message", "alignment_misses", "generation", "model_path", "revision")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +86,9 @@ class StatusResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     cache: str
     namespace: str
     node: str
@@ -87,7 +103,10 @@ class StatusResponse(_message.Message):
     version: str
     message: str
     alignment_misses: _containers.RepeatedCompositeFieldContainer[AlignmentMiss]
-    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ..., alignment_misses: _Optional[_Iterable[_Union[AlignmentMiss, _Mapping]]] = ...) -> None: ...
+    generation: int
+    model_path: str
+    revision: str
+    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ..., alignment_misses: _Optional[_Iterable[_Union[AlignmentMiss, _Mapping]]] = ..., generation: _Optional[int] = ..., model_path: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class AlignmentMiss(_message.Message):
     __slots__ = ("seq", "pod", "result", "detail", "missed_ranks")
@@ -132,3 +151,43 @@ class RestartResponse(_message.Message):
     epoch: int
     message: str
     def __init__(self, accepted: _Optional[bool] = ..., epoch: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class UpdateRequest(_message.Message):
+    __slots__ = ("model_path", "revision", "force", "pause_deadline_seconds", "phase")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    revision: str
+    force: bool
+    pause_deadline_seconds: float
+    phase: UpdatePhase
+    def __init__(self, model_path: _Optional[str] = ..., revision: _Optional[str] = ..., force: _Optional[bool] = ..., pause_deadline_seconds: _Optional[float] = ..., phase: _Optional[_Union[UpdatePhase, str]] = ...) -> None: ...
+
+class UpdateResponse(_message.Message):
+    __slots__ = ("ok", "error", "message", "generation", "revision", "bytes", "seconds_staged", "seconds_paused", "engines_paused", "broken", "tensors")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    message: str
+    generation: int
+    revision: str
+    bytes: int
+    seconds_staged: float
+    seconds_paused: float
+    engines_paused: int
+    broken: bool
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ..., revision: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds_staged: _Optional[float] = ..., seconds_paused: _Optional[float] = ..., engines_paused: _Optional[int] = ..., broken: _Optional[bool] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class AgentStub:
                 request_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
                 response_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.FromString,
                 _registered_method=True)
+        self.Update = channel.unary_unary(
+                '/weightcache.agent.v1.Agent/Update',
+                request_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateRequest.SerializeToString,
+                response_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -77,6 +82,16 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Update(self, request, context):
+        """Update this node's daemons in place to a new revision of the model (same layout), or
+        refuse. One phase per call lets the operator hold a barrier across the nodes of a group:
+        PREPARE on every node, then PAUSE on every node, then COMMIT on every node; ABORT
+        everywhere when any node refuses before COMMIT. UPDATE_PHASE_ALL runs the phases at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +109,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Restart,
                     request_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.FromString,
                     response_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.SerializeToString,
+            ),
+            'Update': grpc.unary_unary_rpc_method_handler(
+                    servicer.Update,
+                    request_deserializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateRequest.FromString,
+                    response_serializer=weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class Agent:
             '/weightcache.agent.v1.Agent/Restart',
             weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartRequest.SerializeToString,
             weightcache_dot_contracts_dot_proto_dot_agent__pb2.RestartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Update(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightcache.agent.v1.Agent/Update',
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateRequest.SerializeToString,
+            weightcache_dot_contracts_dot_proto_dot_agent__pb2.UpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,345 @@
+"""In-place updates: real daemon processes, real sockets, the real client and `weightcache update`.
+
+What is asserted is what an engine relies on: the tensors it mapped keep their addresses and
+show the new checkpoint's bytes after `finish`; nothing changes before it; a refused or
+aborted update leaves the old generation serving; a torn arena is refused, never served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcache.client import ModelGate, follow_updates, push_update
+from weightcache.native import protocol as proto
+from weightcache.native.client import attach, query
+from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.update_group import UpdateFailed, discover, update_group
+from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkpoint
+from weightcache.testing.processes import weightcache_cmd
+
+from .conftest import as_uid, raw_connect
+from .test_attach import assert_matches, reference
+from .test_security import needs_root
+
+NORM = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same layout as `ckpt` (seed 0), other weights: a fine-tune with identical headers."""
+    return write_llama_checkpoint(tmp_path_factory.mktemp("b") / "tiny", TINY, files=2, seed=1)
+
+
+def run_update(*args: str) -> tuple[int, dict, str]:
+    """`weightcache update` as a process: (exit code, its JSON line, stderr)."""
+    out = subprocess.run([*weightcache_cmd(), "update", *args], capture_output=True, text=True,
+                         check=False, timeout=120)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, out.stderr
+    return out.returncode, json.loads(lines[-1]), out.stderr
+
+
+def update_here(sock_dir: Path, model: Path, **options) -> tuple[int, dict]:
+    """What `weightcache update` does, in this process (saves an interpreter start)."""
+    try:
+        return 0, update_group(discover(sock_dir), model=str(model), **options)
+    except UpdateFailed as exc:
+        return 1, {"error": exc.code, "message": str(exc), "broken": exc.broken, **exc.detail}
+
+
+@pytest.fixture
+def daemon(ckpt, sock_dir, preload):
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    p.wait_ready(120)
+    return socket_path(sock_dir, cpu_identity(0))
+
+
+def test_update_in_place_keeps_addresses_and_switches_identity(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, mode="zero_copy", fallback=False)
+    assert res.source == "cache" and res.generation == 1
+    ptrs = {n: t.data_ptr() for n, t in res.state_dict.items()}
+    gate, resumed = ModelGate(), []
+    part = follow_updates(res, gate=gate, on_resume=lambda g, c: resumed.append((g, c)))
+    try:
+        code, out, _ = run_update("--model", str(ckpt_b), "--socket-dir", str(sock_dir))
+        assert code == 0, out
+        assert out["generation"] == 2 and out["engines_paused"] == 1 and out["ranks"] == 1
+        assert out["bytes"] == res.nbytes and out["forced_engines"] == []
+        # Same addresses, new bytes: what a captured CUDA graph replays after the update.
+        assert {n: t.data_ptr() for n, t in res.state_dict.items()} == ptrs
+        assert_matches(res.state_dict, reference(ckpt_b))
+        assert part.wait_for("finish")  # events are handled on the participant's thread
+        assert resumed == [(2, True)] and part.generation == 2 and not gate.closed
+        assert [e["event"] for e in part.events] == ["begin", "finish"]
+        assert part.events[1]["identity"]["content"] == out["identity"]["content"]
+    finally:
+        part.close()
+    # New engines asking for the new checkpoint hit; the old one is no longer what is served.
+    new = attach(ckpt_b, socket_dir=sock_dir, fallback=False)
+    assert new.source == "cache" and new.generation == 2
+    assert_matches(new.state_dict, reference(ckpt_b))
+    old = attach(ckpt, socket_dir=sock_dir)
+    assert old.source == "disk" and "content" in (old.reason or "")
+    assert_matches(old.state_dict, reference(ckpt))
+    stats = query(daemon, "stats")
+    assert stats["updates"]["generation"] == 2 and stats["updates"]["results"] == {"ok": 1}
+    assert stats["updates"]["pause_seconds"]["count"] == 1
+
+
+def test_same_path_rewritten_updates_and_matches(daemon, ckpt, sock_dir, tmp_path):
+    # The daemon serves a copy; rewriting that directory in place is "the same path rewritten".
+    import shutil
+
+    path = tmp_path / "rewritten"
+    shutil.copytree(ckpt, path)
+    code, out = update_here(sock_dir, path)
+    assert code == 0 and out["generation"] == 2
+    assert attach(path, socket_dir=sock_dir, fallback=False).source == "cache"
+    write_llama_checkpoint(path, TINY, files=2, seed=2)  # rewrite: same headers, new bytes
+    assert attach(path, socket_dir=sock_dir).source == "disk"  # stale cache is never served
+    # This process attached zero_copy above without a participant: the update needs --force.
+    code, out = update_here(sock_dir, path, force=True)
+    assert code == 0 and out["generation"] == 3 and out["forced_engines"] == [os.getpid()]
+    res = attach(path, socket_dir=sock_dir, fallback=False)
+    assert res.source == "cache" and res.generation == 3
+    assert_matches(res.state_dict, reference(path))
+
+
+def test_layout_mismatch_is_refused_naming_tensors(daemon, ckpt, sock_dir, tmp_path):
+    shape = LlamaShape(hidden=TINY.hidden, layers=TINY.layers, intermediate=TINY.intermediate,
+                       vocab=TINY.vocab * 2, heads=TINY.heads, kv_heads=TINY.kv_heads)
+    other = write_llama_checkpoint(tmp_path / "bigger-vocab", shape, files=2)
+    code, out, err = run_update("--model", str(other), "--socket-dir", str(sock_dir))
+    assert code == 1 and out["error"] == proto.E_LAYOUT_MISMATCH and not out["broken"]
+    # docs/cli.md: one line on stderr, no traceback.
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("weightcache update: ") and "a restart is needed" in err
+    assert "model.embed_tokens.weight" in out["tensors"]
+    assert "model.embed_tokens.weight" in out["message"]
+    assert query(daemon, "hello")["update"]["generation"] == 1
+    assert attach(ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
+
+
+def test_unpausable_engine_refuses_unless_forced(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, mode="zero_copy", fallback=False)  # no participant
+    code, out = update_here(sock_dir, ckpt_b)
+    assert code == 1 and out["error"] == proto.E_UNPAUSABLE
+    assert str(os.getpid()) in out["message"]
+    assert out["engines"][0]["pid"] == os.getpid()
+    assert_matches(res.state_dict, reference(ckpt))  # nothing was written
+    code, out = update_here(sock_dir, ckpt_b, force=True)
+    assert code == 0 and out["forced_engines"] == [os.getpid()]
+    assert_matches(res.state_dict, reference(ckpt_b))
+
+
+def test_pause_deadline_aborts_and_engines_resume_old(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    release, resumed = threading.Event(), []
+    part = follow_updates(res, on_pause=lambda: release.wait(30),
+                          on_resume=lambda g, c: resumed.append((g, c)))
+    try:
+        code, out = update_here(sock_dir, ckpt_b, pause_deadline_s=0.5)
+        assert code == 1 and out["error"] == proto.E_PAUSE_TIMEOUT and not out["broken"]
+        assert str(os.getpid()) in out["message"]
+        release.set()
+        assert part.wait_for("resumed")
+        assert_matches(res.state_dict, reference(ckpt))
+        assert query(daemon, "hello")["update"] == {**query(daemon, "hello")["update"],
+                                                     "generation": 1, "phase": "idle"}
+    finally:
+        part.close()
+    assert [e["event"] for e in part.events] == ["begin", "resumed"]
+    assert resumed == [(1, False)]
+
+
+def test_push_from_trainer_switches_without_checkpoint(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    part = follow_updates(res)
+    new = {n: t.clone() for n, t in reference(ckpt_b).items()}
+    try:
+        out = push_update({str(daemon): new})
+    finally:
+        part.close()
+    assert out["generation"] == 2 and out["source"] == "push" and out["engines_paused"] == 1
+    assert out["identity"]["content"].startswith("push:sha256:")
+    assert_matches(res.state_dict, new)
+    # The served bytes are no checkpoint on disk: both checkpoints now load from disk.
+    assert attach(ckpt, socket_dir=sock_dir).source == "disk"
+    assert attach(ckpt_b, socket_dir=sock_dir).source == "disk"
+    bad = {**new, NORM: torch.zeros(3, dtype=torch.bfloat16)}
+    with pytest.raises(Exception, match=NORM):
+        push_update({str(daemon): bad})
+    assert query(daemon, "hello")["update"]["generation"] == 2
+
+
+def _stage(sock, model: Path) -> str:
+    proto.send_frame(sock, {"cmd": "update_stage", "source": "checkpoint", "model": str(model)})
+    reply, _ = proto.recv_frame(sock)
+    assert reply["ok"], reply
+    return reply["update"]
+
+
+def wait_phase(path: Path, phase: str) -> None:
+    """The daemon notices a closed connection on its own thread: wait for it (bounded)."""
+    deadline = time.monotonic() + 60
+    while query(path, "hello")["update"]["phase"] != phase:
+        assert time.monotonic() < deadline, f"daemon never reached phase {phase}"
+        time.sleep(0.02)
+
+
+def _call(sock, cmd: str, **fields) -> dict:
+    proto.send_frame(sock, {"cmd": cmd, **fields})
+    return proto.recv_frame(sock)[0]
+
+
+def test_protocol_phases_and_ownership(daemon, ckpt, ckpt_b, sock_dir):
+    a, b = raw_connect(daemon, 30), raw_connect(daemon, 30)
+    try:
+        assert _call(a, "update_pause", update="nope")["error"] == proto.E_UPDATE_STATE
+        update = _stage(a, ckpt_b)
+        # One update at a time; only its connection drives it.
+        assert _call(b, "update_stage", model=str(ckpt_b))["error"] == proto.E_UPDATE_STATE
+        assert _call(b, "update_pause", update=update)["error"] == proto.E_UPDATE_STATE
+        assert _call(a, "update_write", update=update)["error"] == proto.E_UPDATE_STATE
+        assert _call(a, "update_pause", update=update, deadline_s=-1)["error"] == (
+            proto.E_BAD_REQUEST)
+        # fds ride only on update_stage.
+        r, w = os.pipe()
+        proto.send_frame(b, {"cmd": "hello"}, [r])
+        os.close(r), os.close(w)
+        assert proto.recv_frame(b)[0]["error"] == proto.E_BAD_FRAME
+    finally:
+        b.close()
+        a.close()  # the coordinator went away: its staged update is dropped
+    wait_phase(daemon, "idle")
+    c = raw_connect(daemon, 30)
+    try:
+        update = _stage(c, ckpt_b)  # accepted: the slot was freed
+        assert _call(c, "update_abort", update=update)["phase"] == "idle"
+    finally:
+        c.close()
+    assert attach(ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
+
+
+def test_abort_after_write_marks_broken_until_a_full_update(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    broken: list[str] = []
+    part = follow_updates(res, on_broken=broken.append)
+    try:
+        with raw_connect(daemon, 30) as c:
+            update = _stage(c, ckpt_b)
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            assert _call(c, "update_write", update=update)["ok"]
+            assert _call(c, "update_abort", update=update)["phase"] == "broken"
+        assert part.wait_for("broken")
+        assert broken and "aborted after the write" in broken[0]
+        # A torn arena is never served: both checkpoints load from disk, with the reason.
+        for model in (ckpt, ckpt_b):
+            again = attach(model, socket_dir=sock_dir)
+            assert again.source == "disk" and "broken" in (again.reason or "")
+        assert query(daemon, "hello")["update"]["phase"] == "broken"
+        code, out = update_here(sock_dir, ckpt_b)
+        assert code == 0 and out["generation"] == 2
+        assert part.wait_for("finish")
+    finally:
+        part.close()
+    assert [e["event"] for e in part.events] == ["begin", "broken", "begin", "finish"]
+    fixed = attach(ckpt_b, socket_dir=sock_dir, fallback=False)
+    assert_matches(fixed.state_dict, reference(ckpt_b))
+    assert_matches(res.state_dict, reference(ckpt_b))
+
+
+def test_group_switches_all_ranks_or_none(ckpt, ckpt_b, sock_dir, preload):
+    preload("--model", str(ckpt), "--tensor-parallel-size", "2",
+            "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    assert len(discover(sock_dir)) == 2
+    ranks = [attach(ckpt, socket_dir=sock_dir, tp_size=2, tp_rank=r, fallback=False)
+             for r in (0, 1)]
+    parts = [follow_updates(r) for r in ranks]
+    # Rank 1's engine never acknowledges: neither rank switches.
+    release = threading.Event()
+    stuck = follow_updates(ranks[1], on_pause=lambda: release.wait(30))
+    try:
+        code, out = update_here(sock_dir, ckpt_b, pause_deadline_s=0.5)
+        assert code == 1 and out["error"] == proto.E_PAUSE_TIMEOUT
+        for r in (0, 1):
+            assert query(socket_path(sock_dir, cpu_identity(r)), "hello")["update"][
+                "generation"] == 1
+        release.set()
+        stuck.close()
+        code, out = update_here(sock_dir, ckpt_b)
+        assert code == 0 and out["ranks"] == 2 and out["generation"] == 2
+        assert out["engines_paused"] == 2
+    finally:
+        for p in parts:
+            p.close()
+    for r, res in enumerate(ranks):
+        disk = attach(ckpt_b, socket_dir=sock_dir, tp_size=2, tp_rank=r, fallback=False)
+        assert disk.source == "cache"
+        assert_matches(res.state_dict, disk.state_dict)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "live_update.py"
+
+
+def test_documented_example_keeps_addresses_and_serves_new_model(daemon, ckpt, ckpt_b, sock_dir):
+    """docs/examples/live_update.py without a CUDA graph: eager outputs are the new model's."""
+    import sys
+
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(ckpt), "--new-model",
+                          str(ckpt_b), "--socket-dir", str(sock_dir)],
+                         capture_output=True, text=True, check=False, timeout=120)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, (report, out.stderr[-2000:])
+    assert report["addresses_kept"] and report["outputs_changed"] and report["equals_new_model"]
+    assert report["update"]["generation"] == 2 and report["update"]["engines_paused"] == 1
+    assert report["resumed"] == [[2, True]] and report["graph"] is False
+
+
+@needs_root
+def test_engines_of_other_uids_cannot_update(ckpt, ckpt_b, sock_dir, preload):
+    """An allowed engine uid may read the cache and its table, never rewrite it (SO_PEERCRED).
+
+    As in test_security: the child's effective uid (what SO_PEERCRED reports) is nobody's, its
+    filesystem uid stays root's so the socket file lets it through."""
+    nobody = 65534
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
+                "--weight-cache-allow-uid", str(nobody))
+    sock = p.wait_ready(120)["sockets"][0]
+
+    def try_update() -> list[dict]:
+        with raw_connect(sock) as s:
+            replies = [_call(s, "update_stage", model=str(ckpt_b)), _call(s, "get_table")]
+        return [{k: x.get(k) for k in ("ok", "error", "message")} for x in replies]
+
+    stage, table = as_uid(nobody, try_update)
+    assert stage["error"] == proto.E_PERMISSION_DENIED and "reserved to uid 0" in stage["message"]
+    assert table["ok"] is True
+    assert query(sock, "hello")["update"] == {**query(sock, "hello")["update"], "phase": "idle",
+                                              "generation": 1}
+
+
+def test_daemon_gone_mid_update_keeps_the_engine_stopped(daemon, ckpt, ckpt_b, sock_dir):
+    """Between begin and finish the bytes may be half written: a vanished daemon is broken."""
+    import signal
+
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    gate, broken = ModelGate(), []
+    part = follow_updates(res, gate=gate, on_broken=broken.append)
+    try:
+        with raw_connect(daemon, 30) as c:
+            update = _stage(c, ckpt_b)
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            os.kill(query(daemon, "hello")["pid"], signal.SIGKILL)
+            assert part.wait_for("broken")
+    finally:
+        part.close()
+    assert gate.closed and broken and "during an update" in broken[0]

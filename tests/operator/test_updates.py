@@ -1,0 +1,167 @@
+"""Model revision changes through the real kopf operator against kmock, agents over real gRPC.
+
+The agents here are stand-ins served by grpcio on loopback (one per node, 127.0.0.1 and
+127.0.0.2) that answer the Update RPC as the real agent does (tests/agent/test_update_rpc.py
+runs the real one against real daemons). What is asserted is the operator's part: in place by
+default for runtime native, all nodes through PREPARE -> PAUSE -> COMMIT with ABORT everywhere
+on a refusal, no pod recreated, status and events; Recreate (and runtime vllm, whose
+weight-cache daemon has no update command in vllm/model_executor/model_loader/weight_cache/
+daemon.py of vLLM 0.33.0) restarts the group instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from tests.operator.conftest import NS, cache_url, eventually
+from tests.operator.test_operator import cm_url, ds_url, phase_is
+from weightcache import constants as C
+from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
+
+PHASES = {v: k for k, v in agent_pb2.UpdatePhase.items()}
+
+
+class Agent(agent_pb2_grpc.AgentServicer):
+    """Answers like the real agent: a layout that differs is refused at PREPARE."""
+
+    def __init__(self, refuse: str) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.generation = 1
+        self.refuse = refuse
+
+    async def Status(self, request, context):
+        return agent_pb2.StatusResponse(cache="llama", ready=True, generation=self.generation)
+
+    async def Update(self, request, context):
+        phase = PHASES[request.phase].removeprefix("UPDATE_PHASE_")
+        self.calls.append((phase, request.model_path))
+        if phase in ("PREPARE", "ALL") and self.refuse in request.model_path:
+            return agent_pb2.UpdateResponse(
+                ok=False, error="layout_mismatch", tensors=["model.embed_tokens.weight"],
+                message="1 tensors differ from the cached layout (a restart is needed)")
+        if phase in ("COMMIT", "ALL"):
+            self.generation += 1
+        return agent_pb2.UpdateResponse(ok=True, generation=self.generation,
+                                        revision=request.revision)
+
+
+@pytest.fixture
+async def agents():
+    started, port = [], 0
+    # node gpu-a refuses nothing; gpu-b refuses "bad-layout" (only one node sees the problem).
+    for host, refuse in (("127.0.0.1", "\0"), ("127.0.0.2", "bad-layout")):
+        servicer = Agent(refuse)
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"{host}:{port}")
+        await server.start()
+        started.append((server, servicer))
+    yield port, [s for _, s in started]
+    for server, _ in started:
+        await server.stop(None)
+
+
+def spec(port: int, **extra) -> dict:
+    return {"runtime": "native", "model": {"path": "/models/a"},
+            "parallelism": {"tensor": 16, "nodes": 2}, "ports": {"grpc": port}, **extra}
+
+
+async def ready_group(cluster, body: dict) -> None:
+    for n in ("gpu-a", "gpu-b"):
+        await cluster.add_node(n)
+    await cluster.create_cache("llama", body)
+    await phase_is(cluster, "llama", "Placing")
+    pods = await cluster.materialize("llama", ready=True, ip="127.0.0.1")
+    for pod in pods:  # one loopback address per node
+        ip = "127.0.0.1" if pod["spec"]["nodeName"] == "gpu-a" else "127.0.0.2"
+        await cluster.patch(f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}",
+                            {"status": {"podIP": ip}})
+    await phase_is(cluster, "llama", "Ready")
+
+
+async def updating(cluster, reason: str) -> dict:
+    async def check():
+        status = await cluster.status("llama")
+        cond = next((c for c in status.get("conditions", []) if c["type"] == "Updating"), None)
+        return status if cond and cond["reason"] == reason else None
+
+    return await eventually(check)
+
+
+async def reasons(cluster) -> list[str]:
+    return [e.get("reason") for e in await cluster.list(f"/api/v1/namespaces/{NS}/events")]
+
+
+def plan_hash(ds: dict) -> str:
+    return ds["spec"]["template"]["metadata"]["annotations"]["weightcache.io/plan-hash"]
+
+
+async def test_revision_change_updates_in_place_node_by_node(cluster, operator, agents):
+    port, (a, b) = agents
+    await ready_group(cluster, spec(port))
+    status = await cluster.status("llama")
+    assert status["model"] == {"path": "/models/a", "revision": ""}
+    assert [n["generation"] for n in status["nodes"]] == [1, 1]
+    before_hash = plan_hash(await cluster.get(ds_url("llama")))
+    pods = sorted(p["metadata"]["name"] for p in await cluster.agent_pods("llama"))
+
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2}, "spec": {
+        "model": {"path": "/models/b", "revision": "step-200"}}})
+    status = await updating(cluster, "Updated")
+    cond = next(c for c in status["conditions"] if c["type"] == "Updating")
+    assert cond["status"] == "False" and "generation 2" in cond["message"]
+    assert status["model"] == {"path": "/models/b", "revision": "step-200"}
+    assert [(n["generation"], n["revision"]) for n in status["nodes"]] == [(2, "step-200")] * 2
+    # One barrier: every node staged before any paused, every node paused before any wrote.
+    for agent in (a, b):
+        assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
+                               ("COMMIT", "/models/b")]
+    # In place: no agent pod recreated, the plan follows (a restarting agent loads /models/b).
+    assert plan_hash(await cluster.get(ds_url("llama"))) == before_hash
+    assert sorted(p["metadata"]["name"] for p in await cluster.agent_pods("llama")) == pods
+    plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
+    assert plan["spec"]["model"]["path"] == "/models/b"
+    assert "Updated" in await reasons(cluster)
+
+    # A layout only node gpu-b can see differs: refused everywhere, old revision serves.
+    a.calls.clear(), b.calls.clear()
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 3}, "spec": {
+        "model": {"path": "/models/bad-layout", "revision": "x"}}})
+    status = await updating(cluster, "LayoutMismatch")
+    cond = next(c for c in status["conditions"] if c["type"] == "Updating")
+    assert "model.embed_tokens.weight" in cond["message"]
+    assert "still serving /models/b@step-200" in cond["message"]
+    assert status["model"] == {"path": "/models/b", "revision": "step-200"}
+    assert status["phase"] == "Ready"
+    assert ("ABORT", "/models/bad-layout") in a.calls and ("COMMIT", "") not in a.calls
+    assert not any(phase == "COMMIT" for phase, _ in a.calls + b.calls)
+    plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
+    assert plan["spec"]["model"]["path"] == "/models/b"
+    assert "LayoutMismatch" in await reasons(cluster)
+
+    # Recreate: the plan changes, the DaemonSet rolls its pods.
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 4}, "spec": {
+        "model": {"path": "/models/c"}, "updateStrategy": {"type": "Recreate"}}})
+    status = await updating(cluster, "Recreated")
+    # (a merge patch keeps revision "x" from the refused attempt)
+    assert status["model"] == {"path": "/models/c", "revision": "x"}
+    assert plan_hash(await cluster.get(ds_url("llama"))) != before_hash
+    assert "Recreating" in await reasons(cluster)
+
+
+async def test_vllm_revision_change_recreates_and_says_why(cluster, operator):
+    body = {"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
+            "model": {"path": "/models/a"}, "parallelism": {"tensor": 8}}
+    await cluster.add_node("gpu-a")
+    await cluster.create_cache("llama", body)
+    await phase_is(cluster, "llama", "Placing")
+    before = plan_hash(await cluster.get(ds_url("llama")))
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2},
+                                             "spec": {"model": {"path": "/models/b"}}})
+    status = await updating(cluster, "Recreated")
+    cond = next(c for c in status["conditions"] if c["type"] == "Updating")
+    assert "runtime vllm cannot update in place" in cond["message"]
+    assert plan_hash(await cluster.get(ds_url("llama"))) != before

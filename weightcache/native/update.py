@@ -1,0 +1,587 @@
+"""In-place update of one daemon rank: stage, pause, write, finish (docs/updates.md).
+
+Why in place: a restart to a new revision makes a zero_copy engine keep the old arena mapped
+while the daemon loads the new one, so the device holds two copies for a while. Writing the new
+revision into the arena's existing memory grows device memory by 0 bytes and keeps every
+tensor's address (captured CUDA graphs stay valid), at the price that the model must not run
+while the bytes change. Hence the phases, each one command on the daemon socket, driven for all
+ranks of a group together by a coordinator (`weightcache update`, `native/update_group.py`):
+
+  update_stage   read the new bytes into host staging (pinned on CUDA) and verify them while
+                 engines keep serving; refuse a layout that differs from the cached one.
+  update_pause   announce `begin` to every participant engine and wait (bounded) for each one's
+                 `paused`; refuse if a zero_copy engine that cannot pause is attached.
+  update_write   copy staging into the arena (memfd: the daemon's own writable mapping, made
+                 before the file was sealed; CUDA: one host-to-device copy into the same
+                 device allocation). From the first byte on, failing means broken.
+  update_finish  the new fingerprint and generation become the rank's; `finish` is announced.
+  update_abort   before the write: drop staging, resume engines on the old generation;
+                 after it: mark the rank broken and tell engines (never silently torn).
+
+The update belongs to the connection that staged it: if that connection goes away, the update
+is aborted as by `update_abort`, so a dead coordinator never leaves engines paused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import content as content_mod
+from . import protocol as proto
+from .checkpoint import CheckpointError, open_checkpoint
+from .loader import ArenaLayout, ArenaLayoutError, load_into_arena
+from .rankplan import plan_rank_shard
+from .sharding import ShardingError, ShardRule
+
+if TYPE_CHECKING:
+    from .daemon import RankServer
+
+log = logging.getLogger("weightcache.update")
+
+IDLE, STAGED, PAUSED, WRITTEN, BROKEN = "idle", "staged", "paused", "written", "broken"
+DEFAULT_PAUSE_DEADLINE_S = 30.0
+MAX_PAUSE_DEADLINE_S = 600.0
+# Attaching engines wait this long for a running update to finish before they are refused.
+ATTACH_WAIT_S = 60.0
+MAX_NAMED = 16  # differing tensors named in a refusal
+# Update / pause duration histogram bounds (seconds).
+BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MAX_PARTICIPANT_FRAME = 64 * 1024
+CONTENT = "content"  # the fingerprint field of the exact content identity (native/content.py)
+DIGEST_CHUNK = 64 << 20
+# A participant that does not read its events within this long is dropped (never blocks us).
+PARTICIPANT_SEND_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """What the rank was started with: an update re-plans the new checkpoint the same way."""
+
+    rules: list[ShardRule]
+    tp_size: int
+    tp_rank: int
+    dtype: str
+    model: str
+
+
+class UpdateError(Exception):
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code, self.extra = code, extra
+
+    def reply(self) -> dict[str, Any]:
+        return proto.error(self.code, str(self), **self.extra)
+
+
+@dataclass
+class Participant:
+    """An engine's watch stream that takes part in updates (`native/updates.py`)."""
+
+    conn: socket.socket
+    pid: int
+    mode: str
+    can_pause: bool
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    paused_for: str | None = None
+
+    def send(self, event: dict[str, Any]) -> bool:
+        try:
+            with self.send_lock:
+                proto.send_frame(self.conn, event)
+            return True
+        except (OSError, proto.ProtocolError):
+            return False
+
+
+@dataclass
+class Staged:
+    update_id: str
+    owner: socket.socket
+    buffer: torch.Tensor
+    fingerprint: dict[str, Any]
+    model: str
+    source: str
+    seconds: float
+    digest: str
+    record: dict[str, Any] = field(default_factory=dict)  # name -> content.FileDigest
+    paused_at: float | None = None
+    paused: int = 0
+    forced: list[int] = field(default_factory=list)
+
+
+class _Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * len(BUCKETS)
+        self.count, self.sum = 0, 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.sum += seconds
+        for i, bound in enumerate(BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "buckets": [[b, c] for b, c in zip(BUCKETS, self.counts, strict=True)]
+            + [["+Inf", self.count]],
+            "sum": self.sum,
+            "count": self.count,
+        }
+
+
+def layout_differences(
+    old_table: list[dict[str, Any]], old_aliases: dict[str, str], new: ArenaLayout
+) -> list[str]:
+    """Names whose entry (dtype, shape, offset, size) or alias target differs, sorted."""
+    old = {r["name"]: r for r in old_table}
+    fresh = {r["name"]: r for r in new.table()}
+    keys = ("dtype", "shape", "offset", "nbytes")
+    names = {n for n in old.keys() ^ fresh.keys()}
+    names |= {n for n in old.keys() & fresh.keys() if any(old[n][k] != fresh[n][k] for k in keys)}
+    names |= {a for a in set(old_aliases) | set(new.aliases)
+              if old_aliases.get(a) != new.aliases.get(a)}
+    return sorted(names)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sha256(buf: torch.Tensor) -> str:
+    """`sha256:` over the sha256 of each DIGEST_CHUNK of the staged bytes, in order.
+
+    Chunked so that all cores hash at once (hashlib drops the GIL): the digest of 16 GB
+    takes about a second instead of ten, off the pause but on the update's total time."""
+    view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+    chunks = [view[i: i + DIGEST_CHUNK] for i in range(0, len(view), DIGEST_CHUNK)]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
+    return "sha256:" + hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host staging; page-locked for a CUDA arena, so the paused copy runs at the link's speed.
+
+    Pinned by cudaHostRegister over an exact-size allocation rather than `pin_memory=True`:
+    torch's pinned allocator rounds up to a power of two (16 GB would pin 32 GB)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if device.type != "cuda" or nbytes == 0:
+        return buf
+    runtime = torch.cuda.cudart()
+    ptr = buf.data_ptr()
+    err = runtime.cudaHostRegister(ptr, nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (%s): torch's pinned allocator", nbytes,
+                    err)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(buf, runtime.cudaHostUnregister, ptr)  # before the memory is freed
+    return buf
+
+
+class RankUpdater:
+    """The update state machine of one rank; every method runs under `self._lock`."""
+
+    def __init__(self, server: RankServer, config: UpdateConfig) -> None:
+        self.server = server
+        self.config = config
+        self.generation = 1
+        self.phase = IDLE
+        self.model = config.model
+        self.broken_reason: str | None = None
+        self.staged: Staged | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._participants: dict[int, Participant] = {}
+        self._attached: dict[int, str] = {}  # pid -> mode of engines that mapped the arena
+        self.results: dict[str, int] = {}
+        self.update_seconds = _Histogram()
+        self.pause_seconds = _Histogram()
+
+    # -- facts for other commands ----------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "generation": self.generation,
+                "phase": self.phase,
+                "model": self.model,
+                CONTENT: self.server.fingerprint.get(CONTENT),
+                "broken": self.broken_reason,
+            }
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "generation": self.generation,
+                "phase": self.phase,
+                "results": dict(self.results),
+                "update_seconds": self.update_seconds.snapshot(),
+                "pause_seconds": self.pause_seconds.snapshot(),
+                "participants": len(self._participants),
+            }
+
+    def wait_serving(self) -> dict[str, Any] | None:
+        """Before `get_state`: hold an attaching engine while bytes change; refuse if broken."""
+        deadline = time.monotonic() + ATTACH_WAIT_S
+        with self._lock:
+            while self.phase in (PAUSED, WRITTEN):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return proto.error(proto.E_BUSY, "an update is writing this rank's arena")
+                self._changed.wait(left)
+            if self.phase == BROKEN:
+                return proto.error(proto.E_BROKEN, f"cache is broken: {self.broken_reason}")
+        return None
+
+    def note_attach(self, pid: int, mode: Any) -> None:
+        """An engine mapped the arena (old clients send no mode: counted as zero_copy)."""
+        with self._lock:
+            self._attached[pid] = "copy" if mode == "copy" else "zero_copy"
+            if len(self._attached) > 4096:  # bounded per-client state: drop the dead
+                self._attached = {p: m for p, m in self._attached.items() if _pid_alive(p)}
+
+    def _blockers(self) -> list[dict[str, Any]]:
+        """zero_copy engines that will not pause: no participant stream, or one that says so."""
+        participants = {p.pid: p for p in self._participants.values()}
+        out = []
+        for pid, mode in sorted(self._attached.items()):
+            if mode != "zero_copy" or not _pid_alive(pid):
+                continue
+            part = participants.get(pid)
+            if part is None:
+                out.append({"pid": pid, "why": "attached zero_copy without an update participant"})
+        for part in participants.values():
+            if part.mode == "zero_copy" and not part.can_pause:
+                out.append({"pid": part.pid, "why": "participant cannot pause"})
+        return out
+
+    # -- participant streams ---------------------------------------------------------------
+    def participate(self, conn: socket.socket, pid: int, spec: dict[str, Any]) -> None:
+        """Serve one participant's watch stream until it closes (runs on its own thread)."""
+        mode = "copy" if spec.get("mode") == "copy" else "zero_copy"
+        part = Participant(conn, pid, mode, bool(spec.get("can_pause", True)))
+        with self._lock:
+            self._participants[id(part)] = part
+            hello = proto.ok(watching=True, rank=self.server.rank, generation=self.generation,
+                             phase=self.phase)
+            part.send(hello)
+        try:
+            conn.settimeout(PARTICIPANT_SEND_TIMEOUT_S)  # bounds our sends to it
+            while not self.server.stopping.is_set():
+                try:
+                    msg, _ = proto.recv_frame(conn, max_frame=MAX_PARTICIPANT_FRAME)
+                except TimeoutError:
+                    continue  # an idle participant is fine; only a full frame counts
+                if msg.get("ack") == "paused" and isinstance(msg.get("update"), str):
+                    with self._lock:
+                        part.paused_for = msg["update"]
+                        self._changed.notify_all()
+        except (OSError, proto.ProtocolError):
+            pass
+        finally:
+            with self._lock:
+                self._participants.pop(id(part), None)
+                self._changed.notify_all()
+
+    def _broadcast(self, event: dict[str, Any]) -> None:
+        for part in list(self._participants.values()):
+            part.send(event)
+
+    # -- commands ---------------------------------------------------------------------------
+    def handle(
+        self, conn: socket.socket, cmd: str, req: dict[str, Any], fds: list[int]
+    ) -> dict[str, Any]:
+        try:
+            if cmd == "update_stage":
+                return self._stage(conn, req, fds)
+            with self._lock:
+                if cmd == "get_table":
+                    return proto.ok(tensors=self.server.table, aliases=self.server.aliases,
+                                    bytes=self.server.nbytes, generation=self.generation)
+                staged = self._owned(conn, req)
+                if cmd == "update_pause":
+                    return self._pause(staged, req)
+                if cmd == "update_write":
+                    return self._write(staged)
+                if cmd == "update_finish":
+                    return self._finish(staged)
+                if cmd == "update_abort":
+                    return self._abort(staged, "aborted by the coordinator")
+        except UpdateError as exc:
+            if cmd != "update_stage":
+                self._count("refused" if exc.code != proto.E_PAUSE_TIMEOUT else "timeout")
+            return exc.reply()
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        return proto.error(proto.E_UNKNOWN_COMMAND, f"unknown update command {cmd!r}")
+
+    HOLD_S = 600.0  # the longest a staging connection may wait between phases
+
+    def owns(self, conn: socket.socket) -> bool:
+        with self._lock:
+            return self.staged is not None and self.staged.owner is conn
+
+    def connection_closed(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self.staged is not None and self.staged.owner is conn:
+                self._abort(self.staged, "the coordinator's connection closed")
+
+    def _count(self, result: str) -> None:
+        self.results[result] = self.results.get(result, 0) + 1
+
+    def _owned(self, conn: socket.socket, req: dict[str, Any]) -> Staged:
+        staged = self.staged
+        if staged is None or staged.update_id != req.get("update"):
+            raise UpdateError(proto.E_UPDATE_STATE, "no such staged update on this connection")
+        if staged.owner is not conn:
+            raise UpdateError(proto.E_UPDATE_STATE, "the update belongs to another connection")
+        return staged
+
+    def _stage(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        with self._lock:
+            if self.phase not in (IDLE, BROKEN) or self.staged is not None:
+                raise UpdateError(proto.E_UPDATE_STATE, f"an update is already {self.phase}")
+            if self.server.arena is None:
+                raise UpdateError(proto.E_RELEASED, "the cache was released")
+            # Reserve the slot so that a second coordinator is refused while we read.
+            self.staged = Staged("", conn, torch.empty(0, dtype=torch.uint8), {}, "", "", 0, "")
+        try:
+            staged = self._read(conn, req, fds)
+        except BaseException:
+            with self._lock:
+                self.staged = None
+                self._count("refused")
+            raise
+        with self._lock:
+            self.staged = staged
+            self.phase = STAGED if self.phase != BROKEN else BROKEN
+        log.info("rank %d staged update %s from %s (%d bytes, %.3f s)", self.server.rank,
+                 staged.update_id, staged.source, staged.buffer.numel(), staged.seconds)
+        return proto.ok(update=staged.update_id, generation=self.generation,
+                        next_generation=self.generation + 1, bytes=staged.buffer.numel(),
+                        seconds=round(staged.seconds, 6), digest=staged.digest,
+                        fingerprint=staged.fingerprint,
+                        blockers=self._locked(self._blockers))
+
+    def _locked(self, fn: Any) -> Any:
+        with self._lock:
+            return fn()
+
+    def _read(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> Staged:
+        """Stage and verify the new bytes; nothing the engines see changes here."""
+        t0 = time.monotonic()
+        cfg, server = self.config, self.server
+        source = req.get("source", "checkpoint")
+        if source == "checkpoint":
+            model = req.get("model")
+            if not isinstance(model, str) or not model:
+                raise UpdateError(proto.E_BAD_REQUEST, "update_stage needs a model directory")
+            try:
+                ckpt = open_checkpoint(model)
+                layout, fingerprint = plan_rank_shard(ckpt, cfg.rules, tp_size=cfg.tp_size,
+                                                      tp_rank=cfg.tp_rank, dtype=cfg.dtype)
+            except (CheckpointError, ShardingError, OSError) as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, str(exc)) from None
+            diff = layout_differences(server.table, server.aliases, layout)
+            if diff:
+                raise UpdateError(
+                    proto.E_LAYOUT_MISMATCH,
+                    f"{len(diff)} tensors differ from the cached layout (a restart is needed): "
+                    + ", ".join(diff[:MAX_NAMED]),
+                    tensors=diff[:MAX_NAMED], count=len(diff),
+                )
+            try:
+                before = {p.name: content_mod.FileIdentity.of(os.stat(p)) for p in ckpt.files}
+            except OSError as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            buffer = _staging(layout.nbytes, server.device)
+            try:
+                load_into_arena(layout, buffer)
+                # The exact identity engines' claims are checked against (content.py); the
+                # files must be the ones staged: same identity before staging and after digest.
+                record = content_mod.digest_files(ckpt.files)
+            except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            if any(record[n].identity != ident for n, ident in before.items()):
+                raise UpdateError(proto.E_BAD_REQUEST,
+                                  f"{model} changed while it was being staged; retry")
+            fingerprint = {**fingerprint, CONTENT: content_mod.content_root(record)}
+            digest = _sha256(buffer)
+        elif source == "push":
+            if len(fds) != 1:
+                raise UpdateError(proto.E_BAD_REQUEST, "a push carries exactly one memfd")
+            model = "push"
+            buffer = self._read_push(fds[0])
+            digest = _sha256(buffer)
+            # Served bytes no longer equal any checkpoint on disk: no engine asking for one
+            # may match them, while the layout (and so every other field) is unchanged.
+            fingerprint = {**server.fingerprint, CONTENT: "push:" + digest}
+            record = {}  # no file on disk holds these bytes: every claim is refused
+        else:
+            raise UpdateError(proto.E_BAD_REQUEST, f"unknown update source {source!r}")
+        return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
+                      time.monotonic() - t0, digest, record)
+
+    def _read_push(self, fd: int) -> torch.Tensor:
+        """Copy a pushed memfd (the rank's arena image) into staging; never map it writable."""
+        nbytes = self.server.nbytes
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise UpdateError(proto.E_BAD_REQUEST, f"cannot stat the pushed fd: {exc}") from None
+        if size != nbytes:
+            raise UpdateError(proto.E_LAYOUT_MISMATCH,
+                              f"pushed image has {size} bytes, the arena {nbytes}")
+        buffer = _staging(nbytes, self.server.device)
+        if nbytes:
+            with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as view:
+                src = torch.frombuffer(view, dtype=torch.uint8)
+                buffer.copy_(src)
+                del src
+        return buffer
+
+    def _pause(self, staged: Staged, req: dict[str, Any]) -> dict[str, Any]:
+        if self.phase not in (STAGED, BROKEN):
+            raise UpdateError(proto.E_UPDATE_STATE, f"cannot pause: update is {self.phase}")
+        force = bool(req.get("force", False))
+        deadline_s = req.get("deadline_s", DEFAULT_PAUSE_DEADLINE_S)
+        if not isinstance(deadline_s, int | float) or not 0 < deadline_s <= MAX_PAUSE_DEADLINE_S:
+            raise UpdateError(proto.E_BAD_REQUEST,
+                              f"deadline_s must be in (0, {MAX_PAUSE_DEADLINE_S}]")
+        blockers = self._blockers()
+        if blockers and not force:
+            pids = ", ".join(str(b["pid"]) for b in blockers)
+            raise UpdateError(
+                proto.E_UNPAUSABLE,
+                f"zero_copy engines that cannot pause are attached (pid {pids}); "
+                "use --force to update anyway",
+                engines=blockers,
+            )
+        staged.forced = [b["pid"] for b in blockers]
+        previous = self.phase
+        self.phase = PAUSED
+        staged.paused_at = time.monotonic()
+        waiting = [p for p in self._participants.values() if p.mode == "zero_copy"]
+        begin = {"event": "begin", "update": staged.update_id, "generation": self.generation}
+        for part in waiting:
+            part.paused_for = None
+            if not part.send(begin):
+                part.paused_for = staged.update_id  # a closed stream runs nothing any more
+        end = time.monotonic() + float(deadline_s)
+        while True:
+            late = [p for p in waiting if p.paused_for != staged.update_id
+                    and id(p) in self._participants]
+            left = end - time.monotonic()
+            if not late or left <= 0:
+                break
+            self._changed.wait(left)
+        if late:
+            self.phase = previous
+            self._resume(staged, changed=False)
+            pids = ", ".join(str(p.pid) for p in late)
+            raise UpdateError(proto.E_PAUSE_TIMEOUT,
+                              f"engines did not pause within {deadline_s} s (pid {pids})",
+                              engines=[p.pid for p in late])
+        staged.paused = len(waiting)
+        return proto.ok(update=staged.update_id, paused=len(waiting), forced=staged.forced)
+
+    def _write(self, staged: Staged) -> dict[str, Any]:
+        if self.phase != PAUSED:
+            raise UpdateError(proto.E_UPDATE_STATE, f"cannot write: update is {self.phase}")
+        arena = self.server.arena
+        if arena is None:
+            raise UpdateError(proto.E_RELEASED, "the cache was released")
+        self.phase = WRITTEN  # from here on, a failure leaves the arena torn: broken
+        t0 = time.monotonic()
+        try:
+            dst = arena.tensor()[: staged.buffer.numel()]
+            dst.copy_(staged.buffer, non_blocking=True)
+            if dst.is_cuda:
+                torch.cuda.synchronize(dst.device)
+            del dst
+        except Exception as exc:
+            self._mark_broken(f"write failed: {type(exc).__name__}: {exc}")
+            self._count("failed")
+            raise UpdateError(proto.E_BROKEN, f"write failed, cache marked broken: {exc}") from None
+        return proto.ok(update=staged.update_id, seconds=round(time.monotonic() - t0, 6))
+
+    def _finish(self, staged: Staged) -> dict[str, Any]:
+        if self.phase != WRITTEN:
+            raise UpdateError(proto.E_UPDATE_STATE, f"cannot finish: update is {self.phase}")
+        self.server.fingerprint = staged.fingerprint
+        self.server.content = staged.record
+        self.generation += 1
+        self.model = staged.model
+        self.broken_reason = None
+        paused_s = time.monotonic() - (staged.paused_at or time.monotonic())
+        self._resume(staged, changed=True)
+        self._count("ok")
+        self.pause_seconds.observe(paused_s)
+        self.update_seconds.observe(staged.seconds + paused_s)
+        log.info("rank %d now serves generation %d (%s), paused %.3f s", self.server.rank,
+                 self.generation, staged.model, paused_s)
+        return proto.ok(update=staged.update_id, generation=self.generation,
+                        paused_seconds=round(paused_s, 6), identity=self._identity())
+
+    def _identity(self) -> dict[str, Any]:
+        f = self.server.fingerprint
+        return {"checkpoint": f.get("checkpoint"), CONTENT: f.get(CONTENT)}
+
+    def _abort(self, staged: Staged, why: str) -> dict[str, Any]:
+        if self.phase == WRITTEN:
+            self._mark_broken(f"update aborted after the write began: {why}")
+            self._count("failed")
+        elif self.phase == PAUSED:
+            self.phase = STAGED
+            self._resume(staged, changed=False)
+            self._count("aborted")
+        else:
+            self._count("aborted")
+        if self.phase == STAGED:
+            self.phase = IDLE
+        self.staged = None
+        self._changed.notify_all()
+        return proto.ok(aborted=True, phase=self.phase, generation=self.generation)
+
+    def _resume(self, staged: Staged, *, changed: bool) -> None:
+        event: dict[str, Any] = {"event": "finish" if changed else "resumed",
+                                 "update": staged.update_id, "generation": self.generation,
+                                 "changed": changed}
+        if changed:
+            event["identity"] = self._identity()
+            self.phase = IDLE
+            self.staged = None
+        self._broadcast(event)
+        self._changed.notify_all()
+
+    def _mark_broken(self, why: str) -> None:
+        self.phase = BROKEN
+        self.broken_reason = why
+        self.staged = None
+        log.error("rank %d cache broken: %s", self.server.rank, why)
+        self._broadcast({"event": "broken", "generation": self.generation, "message": why})
+        self._changed.notify_all()

@@ -1,0 +1,305 @@
+"""`weightcache update`: switch every daemon rank of this node to a new revision in place.
+
+The coordinator holds one connection per rank and moves all of them through the phases of
+`native/update.py` together, so the ranks of a group switch at one barrier or none does:
+
+  1. stage on every rank (in parallel; engines keep serving);   any refusal -> abort all
+  2. pause on every rank (begin; wait for the engines' acks);     any refusal -> abort all
+  3. write on every rank (in parallel);                           any failure -> abort all,
+                                                                  which marks written ranks broken
+  4. finish on every rank (new generation, `finish` announced).
+
+Before step 3 an abort leaves every rank serving the old generation. Prints one JSON line:
+generation, bytes, seconds staged, seconds paused, engines paused. Exit codes: 0 updated,
+1 the update failed or was refused (the JSON has "error" and "message"), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from weightcache.cliformat import HelpFormatter
+from weightcache.contracts.vocabulary import ROLE_TARGET, ROLES, canonical_role
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class UpdateFailed(RuntimeError):
+    """The group did not switch (or, with `broken`, could not be kept whole)."""
+
+    def __init__(self, code: str, message: str, *, broken: bool = False,
+                 detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.broken, self.detail = code, broken, detail or {}
+
+
+def discover(socket_dir: Path, role: str = ROLE_TARGET) -> list[Path]:
+    """Every daemon socket of this node in `socket_dir` of one role (one per rank)."""
+    role = canonical_role(role)
+    suffix = ".sock" if role == ROLE_TARGET else f"_{role}.sock"
+    found = []
+    for path in sorted(socket_dir.iterdir()):
+        # Identities hold no "_" (GPU UUIDs, cpu-<hash>-<i>): only role suffixes do.
+        if not path.name.endswith(suffix) or (role == ROLE_TARGET and "_" in path.name):
+            continue
+        if path.is_socket() and not path.is_symlink():
+            found.append(path)
+    return found
+
+
+class _Rank:
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        from .client import connect
+
+        self.path = path
+        self.sock: socket.socket = connect(path, timeout=timeout_s)
+        self.update_id: str | None = None
+        self.staged: dict[str, Any] = {}
+        self.written = False
+
+    def call(self, cmd: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        from . import protocol as proto
+        from .client import request
+
+        if fds:
+            try:
+                proto.send_frame(self.sock, {"cmd": cmd, **fields}, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            reply, _ = proto.recv_frame(self.sock)
+        else:
+            reply, _ = request(self.sock, cmd, **fields)
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _all(ranks: list[_Rank], fn: Callable[[_Rank], dict[str, Any]]) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
+        return list(pool.map(fn, ranks))
+
+
+def _failed(replies: list[dict[str, Any]], ranks: list[_Rank]) -> tuple[str, str] | None:
+    for reply, rank in zip(replies, ranks, strict=True):
+        if not reply.get("ok"):
+            return str(reply.get("error")), f"{rank.path.name}: {reply.get('message')}"
+    return None
+
+
+class GroupUpdate:
+    """One update of a set of ranks, phase by phase, so that a caller can put a barrier between
+    phases: the node agent lifts it across nodes (prepare everywhere, pause everywhere, commit
+    everywhere; any refusal before commit aborts everywhere). The connections stay open between
+    phases because a rank's update belongs to the connection that staged it."""
+
+    def __init__(self, sockets: list[Path | str | os.PathLike], *,
+                 timeout_s: float = 600.0) -> None:
+        from .client import WeightCacheError
+
+        if not sockets:
+            raise UpdateFailed("no_daemons", "no daemon sockets to update")
+        self.ranks: list[_Rank] = []
+        try:
+            for p in sockets:
+                self.ranks.append(_Rank(Path(p), timeout_s))
+        except WeightCacheError as exc:
+            self.close()
+            raise UpdateFailed("unavailable", str(exc)) from None
+        self.report: dict[str, Any] = {"ranks": len(self.ranks)}
+        self._t0 = time.monotonic()
+        self._t_pause = 0.0
+
+    def prepare(self, *, model: str | None = None,
+                pushes: Mapping[Any, Mapping[str, Any]] | None = None,
+                force: bool = False) -> dict[str, Any]:
+        """Stage on every rank (engines keep serving). Raises UpdateFailed after aborting."""
+        from .updates import arena_image
+
+        def stage(rank: _Rank) -> dict[str, Any]:
+            if pushes is None:
+                return rank.call("update_stage", source="checkpoint", model=str(model))
+            key = next(k for k in pushes if Path(k) == rank.path)
+            table = rank.call("get_table")
+            if not table.get("ok"):
+                return table
+            try:
+                fd = arena_image(table["tensors"], table["bytes"], pushes[key])
+            except ValueError as exc:
+                return {"ok": False, "error": "layout_mismatch", "message": str(exc)}
+            return rank.call("update_stage", [fd], source="push")
+
+        with self._aborting():
+            replies = _all(self.ranks, stage)
+            for reply, rank in zip(replies, self.ranks, strict=True):
+                if reply.get("ok"):
+                    rank.update_id, rank.staged = reply["update"], reply
+            self.report["seconds_staged"] = round(time.monotonic() - self._t0, 6)
+            self.report["bytes"] = sum(int(r.staged.get("bytes", 0)) for r in self.ranks)
+            self.report["source"] = "push" if pushes is not None else str(model)
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, detail=_detail(replies))
+            blockers = [b for r in replies for b in r.get("blockers", [])]
+            if blockers and not force:
+                pids = ", ".join(str(b["pid"]) for b in blockers)
+                raise UpdateFailed(
+                    "unpausable_engine",
+                    f"zero_copy engines that cannot pause are attached (pid {pids});"
+                    " use --force to update anyway", detail={"engines": blockers})
+        return self.report
+
+    def pause(self, *, force: bool = False, deadline_s: float = 30.0) -> dict[str, Any]:
+        """`begin` on every rank; returns once every participant engine has paused."""
+        with self._aborting():
+            self._t_pause = time.monotonic()
+            replies = _all(self.ranks, lambda r: r.call(
+                "update_pause", update=r.update_id, force=force, deadline_s=deadline_s))
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, detail=_detail(replies))
+            self.report["engines_paused"] = sum(int(r.get("paused", 0)) for r in replies)
+            self.report["forced_engines"] = sorted({p for r in replies
+                                                    for p in r.get("forced", [])})
+        return self.report
+
+    def commit(self) -> dict[str, Any]:
+        """Write and finish on every rank. A failure here marks written ranks broken."""
+
+        def write(rank: _Rank) -> dict[str, Any]:
+            rank.written = True  # whatever happens next, this rank's bytes may have changed
+            return rank.call("update_write", update=rank.update_id)
+
+        with self._aborting():
+            replies = _all(self.ranks, write)
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, broken=True)
+            self.report["seconds_write"] = round(
+                max(float(r.get("seconds", 0)) for r in replies), 6)
+            replies = _all(self.ranks, lambda r: r.call("update_finish", update=r.update_id))
+            if failed := _failed(replies, self.ranks):
+                raise UpdateFailed(*failed, broken=True)
+            for rank in self.ranks:
+                rank.update_id = None
+        self.report.update(
+            generation=max(int(r["generation"]) for r in replies),
+            seconds_paused=round(time.monotonic() - self._t_pause, 6),
+            seconds_total=round(time.monotonic() - self._t0, 6),
+            identity=replies[0].get("identity"),
+        )
+        return self.report
+
+    def abort(self) -> None:
+        """Nothing switches (before commit), or written ranks are marked broken (after)."""
+        for rank in self.ranks:
+            if rank.update_id is not None:
+                with contextlib.suppress(Exception):
+                    rank.call("update_abort", update=rank.update_id)
+                rank.update_id = None
+
+    @contextlib.contextmanager
+    def _aborting(self):
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+def update_group(
+    sockets: list[Path | str | os.PathLike],
+    *,
+    model: str | None = None,
+    pushes: Mapping[Any, Mapping[str, Any]] | None = None,
+    force: bool = False,
+    pause_deadline_s: float = 30.0,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Update every rank behind `sockets` to `model` (or to the pushed tensors) at one barrier."""
+    group = GroupUpdate(sockets, timeout_s=timeout_s)
+    try:
+        group.prepare(model=model, pushes=pushes, force=force)
+        group.pause(force=force, deadline_s=pause_deadline_s)
+        report = group.commit()
+    finally:
+        group.close()
+    keys = ("generation", "ranks", "bytes", "seconds_staged", "seconds_paused", "seconds_write",
+            "seconds_total", "engines_paused", "forced_engines", "identity", "source")
+    return {k: report.get(k) for k in keys}
+
+
+def _detail(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    bad = [r for r in replies if not r.get("ok")]
+    out: dict[str, Any] = {}
+    for r in bad:
+        for key in ("tensors", "engines", "count"):
+            if key in r:
+                out[key] = r[key]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache update", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True, help="the new revision's safetensors directory")
+    p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="socket_dir", default=None)
+    p.add_argument("--socket-path", action="append", default=None,
+                   help="a daemon socket to update (repeatable; default: every main socket "
+                        "in the socket directory)")
+    p.add_argument("--role", choices=(*ROLES, "main"), default=ROLE_TARGET,
+                   help="which daemons: the target model's or the draft's")
+    p.add_argument("--force", action="store_true",
+                   help="update even while zero_copy engines that cannot pause are attached "
+                        "(they see the bytes change under running work)")
+    p.add_argument("--pause-deadline-s", type=float, default=30.0,
+                   help="how long engines may take to pause before the update is called off")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="per-daemon request deadline (staging a large shard takes a while)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from .checkpoint import CheckpointError, open_checkpoint
+    from .security import SecurityError, resolve_socket_dir
+
+    try:
+        open_checkpoint(args.model)
+        if args.socket_path:
+            sockets = [Path(p) for p in args.socket_path]
+        else:
+            sockets = discover(resolve_socket_dir(args.socket_dir), args.role)
+    except (CheckpointError, SecurityError, OSError) as exc:
+        return _fail("bad_input", str(exc), EXIT_BAD_INPUT)
+    try:
+        result = update_group(sockets, model=str(Path(args.model).resolve()), force=args.force,
+                              pause_deadline_s=args.pause_deadline_s, timeout_s=args.timeout_s)
+    except UpdateFailed as exc:
+        return _fail(exc.code, str(exc), EXIT_FAILED, broken=exc.broken, **exc.detail)
+    print(json.dumps(result), flush=True)
+    return EXIT_OK
+
+
+def _fail(error: str, message: str, code: int, **extra: Any) -> int:
+    """One JSON line on stdout (for scripts) and the same message as one line on stderr."""
+    print(json.dumps({"error": error, "message": message, "broken": False, **extra}), flush=True)
+    print(f"weightcache update: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
