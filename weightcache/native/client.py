@@ -283,7 +283,9 @@ def plan_rank(
     return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
 
 
-def _from_cache(plan: RankPlan, path: Path, **kw: Any) -> tuple[dict[str, torch.Tensor], int]:
+def _from_cache(
+    plan: RankPlan, path: Path, **kw: Any
+) -> tuple[dict[str, torch.Tensor], int, int | None]:
     """The cache path; whatever a daemon (or a lying peer) answers, a WeightCacheError."""
     try:
         return _from_cache_unchecked(plan, path, **kw)

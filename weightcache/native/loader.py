@@ -138,19 +138,24 @@ def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
 
 
 def load_into_arena(
-    layout: ArenaLayout, flat: torch.Tensor, *, progress: Callable[[int], None] | None = None
+    layout: ArenaLayout,
+    flat: torch.Tensor,
+    *,
+    progress: Callable[[int], None] | None = None,
+    direct: bool | str | None = None,
 ) -> Any:
     """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
 
     `progress(n)` is called with the arena bytes of each piece as it is filled. On CUDA the
-    cold loader's `LoadStats` is returned (None on the CPU path).
+    cold loader's `LoadStats` is returned (None on the CPU path); `direct` is its O_DIRECT
+    mode (None: `WEIGHTCACHE_LOAD_DIRECT`, default auto).
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     if flat.is_cuda:
         from .coldload import load_layout  # pinned, multi-threaded reads + async H2D copies
 
-        return load_layout(layout, flat, progress=progress)
+        return load_layout(layout, flat, progress=progress, direct=direct)
     by_file: dict[Any, list[Entry]] = {}
     for entry in layout.entries:
         by_file.setdefault(entry.source.file, []).append(entry)
