@@ -312,8 +312,18 @@ class Controller:
                 body, previous, spec, desired, served, current, ranks)
             if served == desired:
                 doc = R.plan(body, serving(spec, served), lay, result.nodes, epoch)
-                await self._apply(R.configmap(body, doc), "v1", "configmaps")
                 generations = updated
+                try:
+                    await self._apply(R.configmap(body, doc), "v1", "configmaps")
+                except ApiError as exc:
+                    # The daemons already committed the new revision: status must say so
+                    # (or the next pass would update again); the next pass's _apply_group
+                    # rewrites the plan.
+                    error = ApplyError("ConfigMap", C.placement_configmap_name(name), exc)
+                    message = (f"{error}; the group serves {served['path']}@"
+                               f"{served['revision']} and the next pass rewrites the plan")
+                    await self.event(body, "Warning", error.reason, message)
+                    logger.error("%s", message)
         if self.options.agent_status:
             addresses = [
                 f"{pod.ip}:{spec['ports']['grpc']}"
@@ -553,6 +563,14 @@ class Controller:
     ) -> None:
         assert self.kube is not None
         namespace, name = key
+        # Invalid, Unschedulable and Failed statuses are built without the served revision,
+        # the Pod Security level or the Updating condition: carry them, or the next pass
+        # would take spec.model as served and skip a refused or pending update.
+        for carried in ("model", "podSecurity"):
+            if carried not in new and carried in previous:
+                new[carried] = previous[carried]
+        if not any(c.get("type") == S.UPDATING for c in new.get("conditions") or ()):
+            S.with_updating(new, previous, None, None)
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes)
         if not S.same(previous, new):
             await self.kube.patch(

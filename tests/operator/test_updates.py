@@ -165,3 +165,70 @@ async def test_vllm_revision_change_recreates_and_says_why(cluster, operator):
     cond = next(c for c in status["conditions"] if c["type"] == "Updating")
     assert "runtime vllm cannot update in place" in cond["message"]
     assert plan_hash(await cluster.get(ds_url("llama"))) != before
+
+
+def update_cond(status: dict) -> dict | None:
+    return next((c for c in status.get("conditions", []) if c["type"] == "Updating"), None)
+
+
+async def test_refused_update_survives_an_unschedulable_pass(cluster, operator, agents):
+    """An Unschedulable pass must not turn a refused update into the served revision."""
+    port, (a, b) = agents
+    await ready_group(cluster, spec(port))
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2}, "spec": {
+        "model": {"path": "/models/bad-layout", "revision": "x"}}})
+    status = await updating(cluster, "LayoutMismatch")
+    assert status["model"] == {"path": "/models/a", "revision": ""}
+    refused = update_cond(status)
+
+    await cluster.set_node_ready("gpu-b", False)
+    status = await phase_is(cluster, "llama", "Unschedulable")
+    assert status["model"] == {"path": "/models/a", "revision": ""}
+    assert update_cond(status)["reason"] == "LayoutMismatch"
+
+    a.calls.clear(), b.calls.clear()
+    await cluster.set_node_ready("gpu-b", True)
+    status = await phase_is(cluster, "llama", "Ready")
+    assert status["model"] == {"path": "/models/a", "revision": ""}
+    assert update_cond(status) == refused
+    assert {c["type"] for c in status["conditions"]} == {
+        "Ready", "Progressing", "Degraded", "Updating"}
+    plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
+    assert plan["spec"]["model"]["path"] == "/models/a"
+    # Not retried for the same target, and never committed.
+    assert not any(phase == "COMMIT" for phase, _ in a.calls + b.calls)
+
+
+async def test_plan_write_refused_after_an_update_still_reports_it(
+        cluster, api_guard, operator, agents):
+    """The daemons committed: a refused plan write must not lose that (no second update)."""
+    port, (a, b) = agents
+    await ready_group(cluster, spec(port))
+    refused: list[str] = []
+
+    def reject_plan_once(method: str, obj: dict) -> str | None:
+        plan = (obj.get("data") or {}).get(C.PLAN_KEY) if obj.get("kind") == "ConfigMap" else None
+        if (not refused and method == "PATCH" and plan
+                and json.loads(plan)["spec"]["model"]["path"] == "/models/b"):
+            refused.append(method)
+            return "ConfigMap is invalid: refused once by the test"
+        return None
+
+    api_guard.reject.append(reject_plan_once)
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2}, "spec": {
+        "model": {"path": "/models/b", "revision": "step-200"}}})
+    status = await updating(cluster, "Updated")
+    assert refused
+    assert status["model"] == {"path": "/models/b", "revision": "step-200"}
+
+    async def plan_follows():
+        plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
+        return plan["spec"]["model"]["path"] == "/models/b"
+
+    await eventually(plan_follows)
+    status = await phase_is(cluster, "llama", "Ready")
+    assert [(n["generation"], n["revision"]) for n in status["nodes"]] == [(2, "step-200")] * 2
+    for agent in (a, b):  # one update, not re-sent by the next pass
+        assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
+                               ("COMMIT", "/models/b")]
+    assert "ApplyRejected" in await reasons(cluster)
