@@ -343,3 +343,34 @@ def test_daemon_gone_mid_update_keeps_the_engine_stopped(daemon, ckpt, ckpt_b, s
     finally:
         part.close()
     assert gate.closed and broken and "during an update" in broken[0]
+
+
+def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock_dir):
+    """Copy-mode engines are not paused by an update, so a copy that overlapped a write would
+    hold two revisions at once. After copying, the client asks the daemon again: the copy is
+    whole only if the generation `get_state` served is still served and no write is under way
+    (`_check_unchanged`, on the real daemon's `hello`)."""
+    from weightcache.native.client import CacheProtocolError, _check_unchanged
+
+    res = attach(ckpt, socket_dir=sock_dir, mode="copy", fallback=False)
+    assert res.source == "cache" and res.generation == 1
+    engine, coordinator = raw_connect(daemon, 30), raw_connect(daemon, 30)
+    try:
+        _check_unchanged(engine, 1)  # nothing happened: the copy stands
+        update = _stage(coordinator, ckpt_b)
+        _check_unchanged(engine, 1)  # staged only: the arena still holds generation 1
+        assert _call(coordinator, "update_pause", update=update)["ok"]
+        with pytest.raises(CacheProtocolError, match="updated while this engine copied"):
+            _check_unchanged(engine, 1)  # a write may be running
+        assert _call(coordinator, "update_write", update=update)["ok"]
+        assert _call(coordinator, "update_finish", update=update)["ok"]
+        with pytest.raises(CacheProtocolError, match="generation 1 -> 2"):
+            _check_unchanged(engine, 1)  # the copy began before the write: torn
+        _check_unchanged(engine, 2)
+    finally:
+        engine.close()
+        coordinator.close()
+    # The real path end to end: a copy taken now is of generation 2, whole.
+    again = attach(ckpt_b, socket_dir=sock_dir, mode="copy", fallback=False)
+    assert again.source == "cache" and again.generation == 2
+    assert_matches(again.state_dict, reference(ckpt_b))

@@ -303,6 +303,25 @@ def _check_table(plan: RankPlan, reply: dict[str, Any]) -> None:
         raise CacheProtocolError("the daemon's tensor table differs from this checkpoint's layout")
 
 
+def _check_unchanged(sock: socket.socket, generation: Any) -> None:
+    """After a copy: no update wrote the arena while we copied it.
+
+    Copy-mode engines are not paused by an in-place update (they own their bytes once the
+    copy is done), so a copy that overlapped an update's write would hold two revisions at
+    once. The daemon's `hello` reports the update phase and generation: the copy is whole
+    only if the generation is still the one `get_state` served and no write is under way."""
+    hello, _ = request(sock, "hello")
+    _raise_for(hello)
+    update = hello.get("update")
+    if update is None:
+        return  # a daemon without in-place updates never rewrites its arena
+    if (not isinstance(update, dict) or update.get("generation") != generation
+            or update.get("phase") not in ("idle", "staged")):
+        raise CacheProtocolError(
+            "the cache was updated while this engine copied it (generation "
+            f"{generation!r} -> {update.get('generation') if isinstance(update, dict) else '?'})")
+
+
 def _from_cache_unchecked(
     plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
@@ -363,11 +382,17 @@ def _from_cache_unchecked(
         except BaseException:
             imported.close()
             raise
+        generation = reply.get("generation")
         if mode == "copy":
             imported.close()
+            if plan.device.type == "cuda":
+                torch.cuda.synchronize(plan.device)  # the clone has landed
+            # A fresh connection: a long copy may outlast the daemon's idle deadline on this one.
+            with contextlib.closing(connect(path, timeout=connect_timeout_s)) as again:
+                again.settimeout(state_timeout_s)
+                _check_unchanged(again, generation)
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).
-        generation = reply.get("generation")
         return state, flat.numel(), generation if isinstance(generation, int) else None
 
 

@@ -253,7 +253,9 @@ class RankServer:
             **({"updates": self.updates.snapshot()} if self.updates else {}),
         ), []
 
-    def cmd_get_state(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def cmd_get_state(
+        self, req: dict[str, Any], pid: int = 0
+    ) -> tuple[dict[str, Any], list[int]]:
         expected = req.get("fingerprint")
         problem = fp.validate(expected)
         if problem:
@@ -270,10 +272,15 @@ class RankServer:
                 f"this rank serves transport {self.transport_name!r}, not {wanted!r}",
                 available=[self.transport_name],
             ), []
-        if self.updates is not None:
-            held = self.updates.wait_serving()  # no engine maps bytes being rewritten
-            if held is not None:
-                return held, []
+        if self.updates is None:
+            return self._state_reply(expected, mode, 1)
+        return self.updates.attach(
+            pid, mode, lambda generation: self._state_reply(expected, mode, generation))
+
+    def _state_reply(
+        self, expected: dict[str, Any], mode: str, generation: int
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Identity check, then the table and the arena's fds (under the updater's lock)."""
         fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
         if fields:
             self.stats.mismatch(fields)
@@ -291,7 +298,7 @@ class RankServer:
             meta, fds = self.arena.export()
             # Duplicates: a concurrent `release` may close the arena's own fds before we send.
             reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
-                             generation=self.updates.generation if self.updates else 1)
+                             generation=generation)
             if mode == "zero_copy":
                 self.zero_copy_attaches += 1
             return reply, [os.dup(fd) for fd in fds]
@@ -419,7 +426,8 @@ class RankServer:
                     )
                     continue
                 try:
-                    reply, fds = handler(req)
+                    reply, fds = (handler(req, peer[0]) if cmd == "get_state"
+                                  else handler(req))
                 except Exception as exc:  # a bug must not take the rank down
                     log.exception("command %s failed", cmd)
                     reply, fds = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}"), []
@@ -431,8 +439,6 @@ class RankServer:
                         os.close(fd)
                 if cmd == "get_state" and reply.get("ok"):
                     served_state = True
-                    if self.updates is not None:
-                        self.updates.note_attach(peer[0], req.get("mode"))
         except (OSError, proto.ProtocolError):
             return
         except Exception:  # never let one connection's surprise kill silently

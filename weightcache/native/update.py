@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -242,25 +243,35 @@ class RankUpdater:
                 "participants": len(self._participants),
             }
 
-    def wait_serving(self) -> dict[str, Any] | None:
-        """Before `get_state`: hold an attaching engine while bytes change; refuse if broken."""
+    def attach(
+        self, pid: int, mode: Any, export: Callable[[int], tuple[dict[str, Any], list[int]]]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """`get_state` as one step against updates.
+
+        Wait out a write and refuse a broken cache, then run `export(generation)` (identity
+        check, table, fds) and count the engine, all under the lock: no pause, write or
+        finish can fall between the identity check and the export (an engine would get the
+        new bytes checked against the old identity), nor between the export and the engine
+        being counted (a pause would not see it and would rewrite bytes it maps)."""
         deadline = time.monotonic() + ATTACH_WAIT_S
         with self._lock:
             while self.phase in (PAUSED, WRITTEN):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return proto.error(proto.E_BUSY, "an update is writing this rank's arena")
+                    return proto.error(proto.E_BUSY, "an update is writing this rank's arena"), []
                 self._changed.wait(left)
             if self.phase == BROKEN:
-                return proto.error(proto.E_BROKEN, f"cache is broken: {self.broken_reason}")
-        return None
+                return proto.error(proto.E_BROKEN, f"cache is broken: {self.broken_reason}"), []
+            reply, fds = export(self.generation)
+            if reply.get("ok"):
+                self._note_attach(pid, mode)
+            return reply, fds
 
-    def note_attach(self, pid: int, mode: Any) -> None:
+    def _note_attach(self, pid: int, mode: Any) -> None:
         """An engine mapped the arena (old clients send no mode: counted as zero_copy)."""
-        with self._lock:
-            self._attached[pid] = "copy" if mode == "copy" else "zero_copy"
-            if len(self._attached) > 4096:  # bounded per-client state: drop the dead
-                self._attached = {p: m for p, m in self._attached.items() if _pid_alive(p)}
+        self._attached[pid] = "copy" if mode == "copy" else "zero_copy"
+        if len(self._attached) > 4096:  # bounded per-client state: drop the dead
+            self._attached = {p: m for p, m in self._attached.items() if _pid_alive(p)}
 
     def _blockers(self) -> list[dict[str, Any]]:
         """zero_copy engines that will not pause: no participant stream, or one that says so."""
