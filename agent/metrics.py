@@ -157,18 +157,24 @@ class AgentCollector(Collector):
                 for key, n in folded.items():
                     self._acc.observe(src, key, n)
                 self._acc.observe(src, ("hsum",), _num(hist.get("sum", 0)))
-                upd = st.get("updates") or {}
-                if upd:
+                # Daemon-supplied: bounded and type-checked like the attach histogram above,
+                # since one bad value raising here would fail the whole scrape.
+                upd = st.get("updates")
+                if isinstance(upd, dict) and upd:
                     generation.add_metric([*where, str(r.spec.global_rank), r.spec.role],
                                           _num(upd.get("generation", 1)))
-                    for res, n in (upd.get("results") or {}).items():
+                    for res, n in _items(upd.get("results")):
                         res = res if res in UPDATE_RESULTS else "other"
                         self._acc.observe(src, ("upd", res), _num(n))
                     for key in ("update_seconds", "pause_seconds"):
-                        h = upd.get(key) or {}
-                        for bound, n in h.get("buckets") or []:
-                            le = "+Inf" if str(bound) == "+Inf" else repr(float(bound))
-                            self._acc.observe(src, (key, le), _num(n))
+                        h = upd.get(key)
+                        h = h if isinstance(h, dict) else {}
+                        buckets_in = h.get("buckets")
+                        for pair in (buckets_in if isinstance(buckets_in, list) else [])[
+                                :MAX_BUCKETS]:
+                            le = _bound(pair)
+                            if le is not None:
+                                self._acc.observe(src, (key, le), _num(pair[1]))
                         self._acc.observe(src, (key + "_sum",), _num(h.get("sum", 0)))
                 watchers = int(_num(st.get("watchers", 0)))
                 own = 1 if r.state == State.READY else 0

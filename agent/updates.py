@@ -139,5 +139,11 @@ class AgentUpdater:
 
     def generation(self, rank_stats: list[dict[str, Any] | None]) -> int:
         """The generation every rank serves (the lowest, should ranks disagree)."""
-        gens = [int((s or {}).get("updates", {}).get("generation", 1)) for s in rank_stats if s]
+        gens = []
+        for st in rank_stats:
+            if not st:
+                continue  # a rank whose stats could not be read says nothing
+            upd = st.get("updates") if isinstance(st, dict) else None
+            value = upd.get("generation", 1) if isinstance(upd, dict) else 1
+            gens.append(value if isinstance(value, int) and not isinstance(value, bool) else 1)
         return min(gens) if gens else 1

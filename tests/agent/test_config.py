@@ -148,6 +148,38 @@ def test_mismatch_labels_come_from_a_fixed_set():
     assert len(families["weightcache_attach_duration_seconds"].samples) <= 32 + 3
 
 
+@pytest.mark.parametrize("updates", [
+    {"generation": 2, "update_seconds": {"buckets": [["x", 1]]}},
+    [1],
+    {"results": [1], "pause_seconds": {"buckets": [[i, 1] for i in range(5000)]}},
+    None,
+])
+def test_bad_update_stats_never_fail_the_scrape(updates):
+    """Update stats come from the daemon like every other stat: a malformed value must not
+    raise inside `collect` (the whole /metrics scrape would fail, and with it rank_ready),
+    and histogram bounds stay capped."""
+    from types import SimpleNamespace
+
+    from weightcache.agent.metrics import AgentCollector
+    from weightcache.agent.runtimes.base import RankSpec
+    from weightcache.agent.supervisor import RankStatus, Snapshot, State
+
+    spec = RankSpec(role="target", global_rank=0, tp_rank=0, dp_rank=0, local_index=0,
+                    device=SimpleNamespace(uuid="cpu-x-0"), socket_path="/nonexistent")
+    snap = Snapshot(ranks=[RankStatus(spec=spec, state=State.READY,
+                                      stats={"updates": updates, "watchers": 1})],
+                    epoch=1, restarts=0, held=False, released=False, ready=True, alive=True,
+                    message="")
+    supervisor = SimpleNamespace(snapshot=lambda: snap,
+                                 runtime=SimpleNamespace(collect_stats=lambda: True))
+    cfg = SimpleNamespace(env=SimpleNamespace(cache="c", namespace="n", node="x"),
+                          plan=SimpleNamespace(runtime="native"))
+    families = {m.name: m for m in AgentCollector(cfg, supervisor).collect()}
+    assert [s.value for s in families["weightcache_rank_ready"].samples] == [1.0]
+    for name, fam in families.items():
+        assert len(fam.samples) <= 32 + 3, name
+
+
 def test_a_reply_of_shared_references_is_refused_fast(tmp_path):
     """4 KB of pickle that describes 2**60 list nodes through the memo: the probe refuses
     it after a bounded walk instead of formatting it (the unbounded version ran 29 s and
