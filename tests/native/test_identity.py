@@ -122,3 +122,12 @@ def test_sampled_claim_probability_model(tmp_path):
     sigma = (draws * (k / 10) * (1 - k / 10)) ** 0.5
     assert abs(caught - expected) < 5 * sigma + 1
     assert content.verify_claim(record, content.sample_claim([f])) is None
+
+
+def test_no_claim_matches_bytes_pushed_without_a_checkpoint(tmp_path):
+    """A rank that took a pushed update (an RL trainer's tensors) has no files on record: no
+    claim may match it, not even one that names no files."""
+    f = tmp_path / "a.safetensors"
+    f.write_bytes(os.urandom(content.CHUNK_BYTES * 2))
+    assert content.verify_claim({}, content.sample_claim([f])) is not None
+    assert content.verify_claim({}, {"chunk": content.CHUNK_BYTES, "files": {}}) is not None

@@ -254,6 +254,9 @@ def verify_claim(record: Mapping[str, FileDigest], claim: Any) -> str | None:
     bad = _bad_claim(claim)
     if bad:
         return bad
+    if not record:
+        # Bytes pushed by a process (no checkpoint on disk): no claim can match them.
+        return "no checkpoint on disk holds the served bytes"
     if claim["chunk"] != CHUNK_BYTES or any(d.chunk_bytes != CHUNK_BYTES for d in record.values()):
         return f"chunk size {claim['chunk']} differs from {CHUNK_BYTES}"
     files = claim["files"]
