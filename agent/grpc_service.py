@@ -1,4 +1,4 @@
-"""gRPC API of the agent (weightcache/contracts/proto/agent.proto) plus the standard gRPC health service.
+"""gRPC API of the agent (weightcache/contracts/proto/agent.proto), plus gRPC health.
 
 Health service names: "" and "weightcache.agent.v1.Agent" and "readiness" are SERVING only
 when every local rank is ready (kubelet readiness probe, operator); "liveness" is SERVING
