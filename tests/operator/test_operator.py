@@ -143,8 +143,11 @@ async def test_readiness_drives_status_pod_ranks_and_node_labels(cluster, operat
         return all(n["metadata"]["labels"].get(key) == "ready" for n in nodes)
 
     await eventually(labelled)
-    events = {e.get("reason") for e in await cluster.list(f"/api/v1/namespaces/{NS}/events")}
-    assert {"Placed", "Loading", "Ready"} <= events
+    async def reported() -> bool:  # the Ready event follows the status patch
+        events = {e.get("reason") for e in await cluster.list(f"/api/v1/namespaces/{NS}/events")}
+        return {"Placed", "Loading", "Ready"} <= events
+
+    await eventually(reported)
 
     # One member's agent stops being ready: a multi-node group restarts as a whole.
     pods = await cluster.agent_pods("llama")

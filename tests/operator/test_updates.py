@@ -91,6 +91,11 @@ async def updating(cluster, reason: str) -> dict:
     return await eventually(check)
 
 
+async def _posted(cluster, reason: str) -> bool:
+    """Events are posted after the status patch they report: poll, do not race them."""
+    return reason in await reasons(cluster)
+
+
 async def reasons(cluster) -> list[str]:
     return [e.get("reason") for e in await cluster.list(f"/api/v1/namespaces/{NS}/events")]
 
@@ -124,7 +129,7 @@ async def test_revision_change_updates_in_place_node_by_node(cluster, operator, 
     assert sorted(p["metadata"]["name"] for p in await cluster.agent_pods("llama")) == pods
     plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
     assert plan["spec"]["model"]["path"] == "/models/b"
-    assert "Updated" in await reasons(cluster)
+    await eventually(lambda: _posted(cluster, "Updated"))
 
     # A layout only node gpu-b can see differs: refused everywhere, old revision serves.
     a.calls.clear(), b.calls.clear()
@@ -140,7 +145,7 @@ async def test_revision_change_updates_in_place_node_by_node(cluster, operator, 
     assert not any(phase == "COMMIT" for phase, _ in a.calls + b.calls)
     plan = json.loads((await cluster.get(cm_url("llama")))["data"][C.PLAN_KEY])
     assert plan["spec"]["model"]["path"] == "/models/b"
-    assert "LayoutMismatch" in await reasons(cluster)
+    await eventually(lambda: _posted(cluster, "LayoutMismatch"))
 
     # Recreate: the plan changes, the DaemonSet rolls its pods.
     await cluster.patch(cache_url("llama"), {"metadata": {"generation": 4}, "spec": {
@@ -149,7 +154,7 @@ async def test_revision_change_updates_in_place_node_by_node(cluster, operator, 
     # (a merge patch keeps revision "x" from the refused attempt)
     assert status["model"] == {"path": "/models/c", "revision": "x"}
     assert plan_hash(await cluster.get(ds_url("llama"))) != before_hash
-    assert "Recreating" in await reasons(cluster)
+    await eventually(lambda: _posted(cluster, "Recreating"))
 
 
 async def test_vllm_revision_change_recreates_and_says_why(cluster, operator):
@@ -231,4 +236,4 @@ async def test_plan_write_refused_after_an_update_still_reports_it(
     for agent in (a, b):  # one update, not re-sent by the next pass
         assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
                                ("COMMIT", "/models/b")]
-    assert "ApplyRejected" in await reasons(cluster)
+    await eventually(lambda: _posted(cluster, "ApplyRejected"))
