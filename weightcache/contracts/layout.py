@@ -11,6 +11,12 @@ module is the one place that maps between them.
 launcher started with the engine's own parallel flags serves exactly the shards the engine's
 workers on this node expect; `tests/conformance` checks it against vLLM's code.
 
+Global ranks enumerate DP, then TP (`global = dp_rank * tp + tp_rank`) and node `r` of a
+group serves the contiguous block `r * local + i` (`block_ranks`, the one formula). Native
+ranks need no rendezvous: each computes its shard from the checkpoint, so a launcher only has
+to know its own block. For a dense model a DP rank does not change the bytes of a shard; it is
+reported, not fingerprinted.
+
 Torch-free and pure, so the operator, the agent and the launchers check a layout before
 starting anything.
 """
@@ -20,8 +26,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from weightcache.contracts.ranks import LocalRank, RankLayoutError, block_ranks
-
 # vLLM's flag names and short aliases (vllm/engine/arg_utils.py, EngineArgs.add_cli_args).
 TENSOR_FLAG = "--tensor-parallel-size"
 DATA_FLAG = "--data-parallel-size"
@@ -30,6 +34,46 @@ DATA_START_FLAG = "--data-parallel-start-rank"
 NODES_FLAG = "--nnodes"
 NODE_RANK_FLAG = "--node-rank"
 EXPERT_FLAG = "--enable-expert-parallel"
+
+
+class RankLayoutError(ValueError):
+    """A parallel layout no launcher can serve; `flag` names the option to fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """What local device `local` serves."""
+
+    local: int
+    global_rank: int
+    tp_rank: int
+    dp_rank: int
+
+
+def block_ranks(base: int, count: int, tp: int) -> list[LocalRank]:
+    """The formula: local device `i` serves global rank `base + i`, TP rank `g % tp`, DP `g // tp`.
+
+    The one place it is written: `Layout.local_ranks`, the placement plan
+    (`Plan.local_ranks`) and the agent's runtimes all call it.
+    """
+    return [
+        LocalRank(local=i, global_rank=base + i, tp_rank=(base + i) % tp, dp_rank=(base + i) // tp)
+        for i in range(count)
+    ]
+
+
+def node_ranks(node_rank: int, ranks_per_node: int, tp: int) -> list[LocalRank]:
+    """The block of node `node_rank` when every node serves `ranks_per_node` ranks."""
+    return block_ranks(node_rank * ranks_per_node, ranks_per_node, tp)
+
+
+def data_start_rank(node_rank: int, ranks_per_node: int, tp: int) -> int:
+    """vLLM's `--data-parallel-start-rank` of a node: the DP rank of its first device."""
+    return node_rank * ranks_per_node // tp
 
 
 @dataclass(frozen=True)
@@ -88,7 +132,7 @@ class Layout:
     @property
     def node_data_start(self) -> int:
         """vLLM's `--data-parallel-start-rank` of this node: the DP rank of its first device."""
-        return self.node_rank * self.ranks_per_node // self.tensor
+        return data_start_rank(self.node_rank, self.ranks_per_node, self.tensor)
 
     def local_ranks(self) -> list[LocalRank]:
         """Every local rank of this node in device order; raise `RankLayoutError` naming the
@@ -215,7 +259,8 @@ class Layout:
             node_rank=ns.node_rank,
             data_local=ns.data_parallel_size_local,
             data_start=ns.data_parallel_start_rank,
-            expert=bool(ns.enable_expert_parallel),
+            # A parser may leave the expert flag out (a launcher that shards by TP rules only).
+            expert=bool(getattr(ns, "enable_expert_parallel", False)),
         )
 
 
