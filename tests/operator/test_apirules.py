@@ -17,21 +17,12 @@ import pytest
 import yaml
 
 from weightcache import constants as C
+from weightcache.api.v1alpha1 import MAX_GPUS_PER_NODE, MAX_NODES, WeightCacheSpec, with_defaults
 from weightcache.operator import crd, events, podsecurity
 from weightcache.operator import resources as R
 from weightcache.operator import status as S
 from weightcache.operator.kube import ApiError, Kube
-from weightcache.operator.placement import ranks_per_node
-from weightcache.operator.spec import (
-    MAX_GPUS_PER_NODE,
-    MAX_NAME_LENGTH,
-    MAX_NODES,
-    Problem,
-    layout,
-    name_problems,
-    validate,
-    with_defaults,
-)
+from weightcache.operator.spec import MAX_NAME_LENGTH, Problem, name_problems, validate
 from weightcache.testing import apirules
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "charts" / "weightcache" / "examples"
@@ -139,17 +130,19 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
     cache = {"metadata": {"name": name, "namespace": namespace, "uid": "6b1f3c52-0c1e-4f0e"}}
     spec = with_defaults(copy.deepcopy(raw), namespace, name)
     assert name_problems(name) + validate(spec) == [], "not a spec the schema and webhook admit"
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
     nodes = nodes[: lay.nodes]
-    doc = R.plan(cache, spec, lay, nodes, epoch=7)
+    doc = R.plan(cache, typed, nodes, epoch=7)
     options = R.AgentOptions(runtime_class="nvidia", service_account="agent", priority_class="pc")
     objs = [
         R.configmap(cache, doc),
-        R.service(cache, spec),
-        R.daemonset(cache, spec, doc, nodes, options),
+        R.service(cache, WeightCacheSpec.from_spec(spec, "ns", "c")),
+        R.daemonset(cache, doc.spec, doc, nodes, options),
     ]
     states = [
-        S.NodeState(node=n, rank=i, ranks_total=ranks_per_node(lay)) for i, n in enumerate(nodes)
+        S.NodeState(node=n, rank=i, ranks_total=typed.launched_layout().ranks_per_node)
+        for i, n in enumerate(nodes)
     ]
     server_message = "x" * 40000  # an API server message longer than a condition takes
     statuses = [
@@ -237,8 +230,8 @@ def _ds(nodes: list[str]) -> dict:
     spec = with_defaults(
         {"runtime": "native", "model": {"path": "/m"}, "parallelism": {"tensor": 16, "nodes": 2},
          "gpusPerNode": 8}, "ml", "llama")  # fmt: skip
-    doc = R.plan(cache, spec, layout(spec), nodes, epoch=1)
-    return R.daemonset(cache, spec, doc, nodes, R.AgentOptions())
+    doc = R.plan(cache, WeightCacheSpec.from_spec(spec, "ns", "c"), nodes, epoch=1)
+    return R.daemonset(cache, doc.spec, doc, nodes, R.AgentOptions())
 
 
 def test_item1_several_nodes_in_one_match_fields_requirement_are_rejected():
@@ -364,8 +357,8 @@ def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():
     cache = {"metadata": {"name": "v", "namespace": "ml", "uid": "u"}}
     spec = with_defaults({"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
                           "model": {"path": "/m"}}, "ml", "v")  # fmt: skip
-    doc = R.plan(cache, spec, layout(spec), ["n1"], epoch=1)
-    vllm = R.daemonset(cache, spec, doc, ["n1"], R.AgentOptions())["spec"]["template"]["spec"]
+    doc = R.plan(cache, WeightCacheSpec.from_spec(spec, "ns", "c"), ["n1"], epoch=1)
+    vllm = R.daemonset(cache, doc.spec, doc, ["n1"], R.AgentOptions())["spec"]["template"]["spec"]
     found = apirules.pod_security_violations(vllm, "baseline")
     assert "hostPID=true" in found and "hostIPC=true" in found
     assert any("hostPath" in f for f in found)

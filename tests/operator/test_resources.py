@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 
 from weightcache import constants as C
+from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
 from weightcache.operator import resources as R
-from weightcache.operator.spec import layout, with_defaults
 
 CACHE = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
 
 
 def _build(raw: dict, nodes=("n0",), options: R.AgentOptions | None = None):
     spec = with_defaults(raw, "ml", "llama")
-    lay = layout(spec)
-    doc = R.plan(CACHE, spec, lay, list(nodes), epoch=3)
-    return spec, doc, R.daemonset(CACHE, spec, doc, list(nodes), options or R.AgentOptions())
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    doc = R.plan(CACHE, typed, list(nodes), epoch=3)
+    return spec, doc, R.daemonset(CACHE, doc.spec, doc, list(nodes), options or R.AgentOptions())
 
 
 def test_replicas_are_planned_as_vllm_data_parallelism():
@@ -160,5 +160,6 @@ def test_owned_objects_are_valid_kubernetes_manifests():
         "placement": {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
     }
     spec, doc, ds = _build(raw, nodes=("a", "b"), options=R.AgentOptions(runtime_class="nvidia"))
-    for obj in (ds, R.service(CACHE, spec), R.configmap(CACHE, doc)):
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    for obj in (ds, R.service(CACHE, typed), R.configmap(CACHE, doc)):
         kubernetes_validate.validate(obj, "1.30", strict=True)
