@@ -386,3 +386,27 @@ async def test_the_kmock_guard_answers_422_like_the_api_server(cluster, api_guar
         await kube.close()
     assert len(api_guard.violations) == 1
     api_guard.violations.clear()  # the rejection was the point of this test
+
+
+def test_crd_defaults_validate_against_their_own_schema():
+    """Rule crd.defaults: the server refuses a CRD whose default fails its schema."""
+    assert apirules.default_violations(WC_SCHEMA) == []
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "default": 0}}}
+    assert [v.field for v in apirules.default_violations(bad)] == ["n"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        *[spec for _id, _ns, _name, spec in example_caches()],
+        {"runtime": "native", "model": {"path": "/models/m"}, "ports": {"grpc": 9000}},
+        {"runtime": "native", "model": {"path": "/models/m"}, "engineArgs": {},
+         "parallelism": {"data": 2}, "engine": {}, "runAs": {}},
+    ],
+)
+def test_server_defaults_agree_with_the_typed_api(raw):
+    """What the API server stores (its defaults applied where the parent is present) parses to
+    the same spec document as what the user wrote: the schema's defaults are the API's."""
+    stored = apirules.apply_defaults(raw, WC_SCHEMA["properties"]["spec"])
+    typed = WeightCacheSpec.from_spec(stored, "ns", "c").to_dict()
+    assert typed == WeightCacheSpec.from_spec(raw, "ns", "c").to_dict()
