@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from weightcache import constants as C
+from weightcache import constants
 from weightcache.api.v1alpha1 import Ports, WeightCacheSpec
 from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
 from weightcache.errors import ProjectError
@@ -40,7 +40,7 @@ class AgentEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEnv:
         env = os.environ if environ is None else environ
-        required = (C.ENV_CACHE_NAME, C.ENV_NAMESPACE, C.ENV_NODE_NAME)
+        required = (constants.ENV_CACHE_NAME, constants.ENV_NAMESPACE, constants.ENV_NODE_NAME)
         missing = [k for k in required if not env.get(k)]
         if missing:
             raise ConfigError(
@@ -48,12 +48,12 @@ class AgentEnv:
                 "the agent DaemonSet must set them from metadata and spec.nodeName"
             )
         return cls(
-            cache=env[C.ENV_CACHE_NAME],
-            namespace=env[C.ENV_NAMESPACE],
-            node=env[C.ENV_NODE_NAME],
-            pod_ip=env.get(C.ENV_POD_IP) or "0.0.0.0",
-            pod_name=env.get(C.ENV_POD_NAME, ""),
-            plan_path=env.get(C.ENV_PLAN) or C.DEFAULT_PLAN_PATH,
+            cache=env[constants.ENV_CACHE_NAME],
+            namespace=env[constants.ENV_NAMESPACE],
+            node=env[constants.ENV_NODE_NAME],
+            pod_ip=env.get(constants.ENV_POD_IP) or "0.0.0.0",
+            pod_name=env.get(constants.ENV_POD_NAME, ""),
+            plan_path=env.get(constants.ENV_PLAN) or constants.DEFAULT_PLAN_PATH,
         )
 
 

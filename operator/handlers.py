@@ -29,13 +29,20 @@ from typing import Any
 
 import kopf
 
-from weightcache import constants as C
+from weightcache import constants
 from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.contracts.plan import Plan
-from weightcache.operator import agentstatus, agentupdate, alignment_events, events, podsecurity
+from weightcache.errors import ProjectError
+from weightcache.operator import (
+    agentstatus,
+    agentupdate,
+    alignment_events,
+    events,
+    podsecurity,
+    resources,
+    status,
+)
 from weightcache.operator import nodes as node_labels
-from weightcache.operator import resources as R
-from weightcache.operator import status as S
 from weightcache.operator.kube import ApiError, Kube, login, path
 from weightcache.operator.metrics import OperatorMetrics
 from weightcache.operator.placement import NodeInfo, PlacementResult, place
@@ -43,7 +50,7 @@ from weightcache.operator.spec import name_problems, validate
 
 registry = kopf.OperatorRegistry()
 EVENT_SOURCE = "weightcache-operator"
-AGENT_LABELS = {C.LABEL_APP: C.AGENT_APP}
+AGENT_LABELS = {constants.LABEL_APP: constants.AGENT_APP}
 CacheKey = tuple[str, str]
 
 
@@ -63,27 +70,27 @@ class PodInfo:
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
-        meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+        meta, spec, observed = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
         annotations = meta.get("annotations") or {}
         return cls(
             name=meta.get("name", ""),
             node=spec.get("nodeName") or "",
             ready=any(
                 c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or ()
+                for c in observed.get("conditions") or ()
             ),
-            epoch=str(annotations.get(C.ANN_EPOCH, "")),
-            plan_hash=str(annotations.get(R.ANN_PLAN_HASH, "")),
+            epoch=str(annotations.get(constants.ANN_EPOCH, "")),
+            plan_hash=str(annotations.get(resources.ANN_PLAN_HASH, "")),
             restarts=sum(
-                int(c.get("restartCount", 0)) for c in status.get("containerStatuses") or ()
+                int(c.get("restartCount", 0)) for c in observed.get("containerStatuses") or ()
             ),
-            rank_label=(meta.get("labels") or {}).get(C.LABEL_NODE_RANK),
+            rank_label=(meta.get("labels") or {}).get(constants.LABEL_NODE_RANK),
             deleting=bool(meta.get("deletionTimestamp")),
-            ip=status.get("podIP") or "",
+            ip=observed.get("podIP") or "",
         )
 
 
-class ApplyError(Exception):
+class ApplyError(ProjectError):
     """The API server refused a write of an owned object (the group is not applied)."""
 
     def __init__(self, kind: str, name: str, error: ApiError) -> None:
@@ -118,12 +125,12 @@ class Pass:
     served: dict[str, str]
     placement: PlacementResult | None = None
     epoch: int = 0
-    update_cond: S.Cond | None = None
+    update_cond: status.Cond | None = None
     doc: Plan | None = None
     digest: str = ""
     level: str = podsecurity.PRIVILEGED
     current: dict[str, PodInfo] = field(default_factory=dict)
-    states: list[S.NodeState] = field(default_factory=list)
+    states: list[status.NodeState] = field(default_factory=list)
     generations: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @classmethod
@@ -178,7 +185,7 @@ class Pass:
 
     def plan(self) -> Plan:
         """The plan of the placed group serving the revision it serves now."""
-        return R.plan(self.body, serving(self.spec, self.served), self.nodes, self.epoch)
+        return resources.plan(self.body, serving(self.spec, self.served), self.nodes, self.epoch)
 
     def observe_members(self) -> None:
         """Which agent pods belong to this epoch and plan, and each node's state."""
@@ -191,7 +198,7 @@ class Pass:
         }
         current = self.current
         self.states = [
-            S.NodeState(
+            status.NodeState(
                 node=node,
                 rank=rank,
                 ranks_total=per_node,
@@ -210,7 +217,7 @@ class Pass:
 class Options:
     """Operator-wide options (from `weightcache operator` flags)."""
 
-    agent: R.AgentOptions = field(default_factory=R.AgentOptions)
+    agent: resources.AgentOptions = field(default_factory=resources.AgentOptions)
     resync_s: float = 30.0
     debounce_s: float = 0.05
     # Ask ready agents for bytes cached over gRPC (optional detail; readiness never needs it).
@@ -306,7 +313,7 @@ class Controller:
             return None
         # Nothing is created or changed for a spec that cannot be placed: a previous
         # valid group keeps serving, and no half-built group appears.
-        new = S.invalid(run.previous, problems, run.generation)
+        new = status.invalid(run.previous, problems, run.generation)
         await self._finish(run.body, run.key, run.previous, new, run.labels_by_node, ())
         run.logger.warning("invalid spec: %s", new["message"])
         return "Invalid"
@@ -315,7 +322,7 @@ class Controller:
         """Choose the nodes (ranks are sticky), then the epoch and the served revision."""
         run.placement = place(run.previous_nodes, run.fleet, run.spec)
         if not run.placement.schedulable:
-            new = S.unschedulable(
+            new = status.unschedulable(
                 run.previous,
                 need=run.spec.parallelism.nodes,
                 eligible=run.placement.eligible,
@@ -341,8 +348,8 @@ class Controller:
         elif run.placement.replaced:
             epoch += 1
             message = (
-                f"re-placed the group on {S.node_list(run.placement.nodes)} (lost "
-                f"{S.node_list(run.placement.replaced)}); restarting all members with epoch "
+                f"re-placed the group on {status.node_list(run.placement.nodes)} (lost "
+                f"{status.node_list(run.placement.replaced)}); restarting all members with epoch "
                 f"{epoch}"
             )
             await self.event(run.body, "Warning", "Replaced", message)
@@ -369,20 +376,20 @@ class Controller:
             else "updateStrategy Recreate: restarting the group on the new revision"
         )
         await self.event(run.body, "Normal", "Recreating", note)
-        run.served, run.update_cond = dict(run.desired), S.Cond(False, "Recreated", note)
+        run.served, run.update_cond = dict(run.desired), status.Cond(False, "Recreated", note)
 
     async def _apply_plan(self, run: Pass) -> str | None:
         """Apply the plan ConfigMap, rendezvous Service and agent DaemonSet as one group."""
         run.doc = run.plan()
-        run.digest = R.plan_hash(run.doc)
+        run.digest = resources.plan_hash(run.doc)
         run.level = await self._pod_security_level(run.namespace)
         try:
             await self._apply_group(
                 [
-                    (R.configmap(run.body, run.doc), "v1", "configmaps"),
-                    (R.service(run.body, run.spec), "v1", "services"),
+                    (resources.configmap(run.body, run.doc), "v1", "configmaps"),
+                    (resources.service(run.body, run.spec), "v1", "services"),
                     (
-                        R.daemonset(run.body, run.doc.spec, run.doc, run.nodes,
+                        resources.daemonset(run.body, run.doc.spec, run.doc, run.nodes,
                                     self.options.agent),
                         "apps/v1",
                         "daemonsets",
@@ -390,7 +397,7 @@ class Controller:
                 ]
             )
         except ApplyError as exc:
-            new = S.failed(
+            new = status.failed(
                 run.previous, reason=exc.reason, message=str(exc), generation=run.generation
             )
             new["nodes"] = run.previous.get("nodes") or []
@@ -413,11 +420,11 @@ class Controller:
             return
         run.generations = updated
         try:
-            await self._apply(R.configmap(run.body, run.plan()), "v1", "configmaps")
+            await self._apply(resources.configmap(run.body, run.plan()), "v1", "configmaps")
         except ApiError as exc:
             # The daemons already committed the new revision: status must say so (or the
             # next pass would update again); the next pass's _apply_group rewrites the plan.
-            error = ApplyError("ConfigMap", C.placement_configmap_name(run.name), exc)
+            error = ApplyError("ConfigMap", constants.placement_configmap_name(run.name), exc)
             message = (f"{error}; the group serves {run.served['path']}@"
                        f"{run.served['revision']} and the next pass rewrites the plan")
             await self.event(run.body, "Warning", error.reason, message)
@@ -452,7 +459,7 @@ class Controller:
             else None
         )
         if blocked is not None:
-            new = S.failed(
+            new = status.failed(
                 run.previous,
                 reason=blocked[0],
                 message=blocked[1],
@@ -461,7 +468,7 @@ class Controller:
                 epoch=run.epoch,
             )
         else:
-            new = S.observed(
+            new = status.observed(
                 run.previous,
                 nodes=run.states,
                 pods_seen=pods_seen,
@@ -477,7 +484,7 @@ class Controller:
             same_pod = seen.get("pod") == entry["pod"]
             entry["generation"] = int(seen.get("generation", 1)) if same_pod else 1
             entry["revision"] = run.served["revision"]
-        S.with_updating(new, run.previous, run.update_cond, run.generation)
+        status.with_updating(new, run.previous, run.update_cond, run.generation)
         if (run.update_cond is not None and not run.update_cond.status
                 and run.served != run.desired):
             new["message"] = run.update_cond.message
@@ -495,21 +502,23 @@ class Controller:
         served: dict[str, str],
         current: Mapping[str, PodInfo],
         ranks: Mapping[str, int],
-    ) -> tuple[dict[str, str], S.Cond, dict[str, dict[str, Any]]]:
+    ) -> tuple[dict[str, str], status.Cond, dict[str, dict[str, Any]]]:
         """Try the in-place update once per target revision, when the whole group is ready.
 
         Returns the served revision, the Updating condition and the per-node generations."""
-        old = next((c for c in previous.get("conditions") or () if c.get("type") == S.UPDATING),
-                   None)
+        old = next(
+            (c for c in previous.get("conditions") or () if c.get("type") == status.UPDATING),
+            None,
+        )
         target = f"{desired['path']}@{desired['revision']}"
         if (old is not None and old.get("reason") not in ("Updated", "Recreated")
                 and f"update to {target} " in (old.get("message") or "")):
             # Refused or failed for this very target: wait for a new spec, do not hammer.
-            return served, S.Cond(False, old["reason"], old["message"]), {}
+            return served, status.Cond(False, old["reason"], old["message"]), {}
         group_ready = len(current) == len(ranks) and all(
             p.ready and p.ip for p in current.values())
         if not group_ready:
-            return served, S.Cond(True, "WaitingForGroup",
+            return served, status.Cond(True, "WaitingForGroup",
                                   f"waiting for every node to be ready to update to {target}"), {}
         by_address = {f"{p.ip}:{spec.ports.grpc}": p for p in current.values()}
         result = await agentupdate.update_group(list(by_address), desired["path"],
@@ -518,13 +527,13 @@ class Controller:
             message = (f"update to {target} {'failed' if result.broken else 'refused'}: "
                        f"{result.message}; still serving {served['path']}@{served['revision']}")
             await self.event(body, "Warning", result.reason, message)
-            return served, S.Cond(False, result.reason, message), {}
+            return served, status.Cond(False, result.reason, message), {}
         gens = {by_address[a].node: {"pod": by_address[a].name, "generation": g}
                 for a, g in result.generations.items()}
         message = (f"updated in place to {target} on {len(gens)} node(s), generation "
                    f"{max(result.generations.values(), default=0)}")
         await self.event(body, "Normal", "Updated", message)
-        return dict(desired), S.Cond(False, "Updated", message), gens
+        return dict(desired), status.Cond(False, "Updated", message), gens
 
     @staticmethod
     def _group_failed(
@@ -588,7 +597,7 @@ class Controller:
                     raise
                 actual = await self.kube.get(url) or {}
         wanted = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
-        if not R.contains(actual, wanted):
+        if not resources.contains(actual, wanted):
             await self.kube.patch(url, wanted)
         return False
 
@@ -612,7 +621,7 @@ class Controller:
         predicts the refusal before the first attempt.
         """
         assert self.kube is not None
-        ds = C.agent_daemonset_name(name)
+        ds = constants.agent_daemonset_name(name)
         try:
             found = await self.kube.list(
                 path("v1", "events", namespace),
@@ -648,7 +657,7 @@ class Controller:
             try:
                 await self.kube.patch(
                     path("v1", "pods", namespace, pod.name),
-                    {"metadata": {"labels": {C.LABEL_NODE_RANK: want}}},
+                    {"metadata": {"labels": {constants.LABEL_NODE_RANK: want}}},
                 )
             except ApiError as exc:
                 # Status must still be reported; without the label only the rendezvous
@@ -674,14 +683,15 @@ class Controller:
         for carried in ("model", "podSecurity"):
             if carried not in new and carried in previous:
                 new[carried] = previous[carried]
-        if not any(c.get("type") == S.UPDATING for c in new.get("conditions") or ()):
-            S.with_updating(new, previous, None, None)
+        if not any(c.get("type") == status.UPDATING for c in new.get("conditions") or ()):
+            status.with_updating(new, previous, None, None)
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes)
-        if not S.same(previous, new):
+        if not status.same(previous, new):
             await self.kube.patch(
-                path(C.API_VERSION, C.PLURAL, namespace, name, "status"), {"status": new}
+                path(constants.API_VERSION, constants.PLURAL, namespace, name, "status"),
+                {"status": new},
             )
-            event = S.transition_event(previous, new)
+            event = status.transition_event(previous, new)
             if event:
                 await self.event(body, *event)
         self.statuses[key] = new
@@ -713,11 +723,13 @@ class Controller:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         await self.kube.delete(
-            path("apps/v1", "daemonsets", namespace, C.agent_daemonset_name(name))
+            path("apps/v1", "daemonsets", namespace, constants.agent_daemonset_name(name))
         )
-        await self.kube.delete(path("v1", "services", namespace, C.rendezvous_service_name(name)))
         await self.kube.delete(
-            path("v1", "configmaps", namespace, C.placement_configmap_name(name))
+            path("v1", "services", namespace, constants.rendezvous_service_name(name))
+        )
+        await self.kube.delete(
+            path("v1", "configmaps", namespace, constants.placement_configmap_name(name))
         )
         labels_by_node = {
             info.name: info.labels for store in nodes_index.values() for info in store
@@ -773,7 +785,7 @@ def nodes_index(name: str, body: Mapping[str, Any], **_: Any) -> dict[str, NodeI
 def agents_index(
     namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any
 ) -> dict[CacheKey, PodInfo] | None:
-    cache = labels.get(C.LABEL_CACHE)
+    cache = labels.get(constants.LABEL_CACHE)
     if not cache:
         return None
     return {(namespace, cache): PodInfo.from_pod(body)}
@@ -794,17 +806,22 @@ def _node_event(type: str, name: str, body: Mapping[str, Any], memo: Any, **_: A
 
 @kopf.on.event("v1", "pods", labels=AGENT_LABELS, registry=registry)
 def _pod_event(namespace: str, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    cache = labels.get(C.LABEL_CACHE)
+    cache = labels.get(constants.LABEL_CACHE)
     if cache:
         controller(memo).poke((namespace, cache))
 
 
-@kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec", registry=registry)
+@kopf.on.update(
+    constants.GROUP, constants.VERSION, constants.PLURAL, field="spec", registry=registry
+)
 def _spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
     controller(memo).poke((namespace, name))
 
 
-@kopf.daemon(C.GROUP, C.VERSION, C.PLURAL, registry=registry, cancellation_timeout=10)
+@kopf.daemon(
+    constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry,
+    cancellation_timeout=10,
+)
 async def _reconciler(
     stopped: Any,
     body: Mapping[str, Any],
@@ -840,7 +857,7 @@ async def _reconciler(
         await asyncio.sleep(ctl.options.debounce_s)
 
 
-@kopf.on.delete(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
+@kopf.on.delete(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
 async def _deleted(
     body: Mapping[str, Any], memo: Any, nodes_index: Any, logger: Any, **_: Any
 ) -> None:
@@ -851,13 +868,13 @@ async def _deleted(
 def configure(settings: kopf.OperatorSettings) -> None:
     """Settings every run of this operator uses (main.py adds peering and logging)."""
     # Handler progress lives in annotations; status belongs to the reconciler alone.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=C.GROUP, key="last-handled-configuration"
+        prefix=constants.GROUP, key="last-handled-configuration"
     )
-    settings.persistence.finalizer = f"{C.GROUP}/finalizer"
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     # Only our own events (kopf.event) and real warnings reach the API.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     # Only agent pods, filtered by the API server: a cluster's other pods never reach us.
-    settings.watching.label_selectors["v1", "pods"] = f"{C.LABEL_APP}={C.AGENT_APP}"
+    settings.watching.label_selectors["v1", "pods"] = f"{constants.LABEL_APP}={constants.AGENT_APP}"

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
 
-from weightcache import __version__
-from weightcache import constants as C
+from weightcache import __version__, constants
 from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.contracts.plan import Plan
 
-ANN_PLAN_HASH = f"{C.GROUP}/plan-hash"
+ANN_PLAN_HASH = f"{constants.GROUP}/plan-hash"
 AGENT_CONTAINER = "agent"
 PLAN_MOUNT_DIR = "/etc/weightcache"
 AGENT_LIB_DIR = "/opt/weightcache"
@@ -74,14 +73,18 @@ class AgentOptions:
 
 def labels(name: str) -> dict[str, str]:
     """Labels of every owned object and of the agent pod template (never the node rank)."""
-    return {C.LABEL_APP: C.AGENT_APP, C.LABEL_INSTANCE: name, C.LABEL_CACHE: name}
+    return {
+        constants.LABEL_APP: constants.AGENT_APP,
+        constants.LABEL_INSTANCE: name,
+        constants.LABEL_CACHE: name,
+    }
 
 
 def owner_reference(cache: Mapping[str, Any]) -> dict[str, Any]:
     meta = cache["metadata"]
     return {
-        "apiVersion": C.API_VERSION,
-        "kind": C.KIND,
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
         "name": meta["name"],
         "uid": meta.get("uid", ""),
         "controller": True,
@@ -99,7 +102,7 @@ def _metadata(cache: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 
 def master_addr(namespace: str, name: str) -> str:
-    return f"{C.rendezvous_service_name(name)}.{namespace}.svc"
+    return f"{constants.rendezvous_service_name(name)}.{namespace}.svc"
 
 
 def plan(
@@ -152,8 +155,8 @@ def configmap(cache: Mapping[str, Any], doc: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(cache, C.placement_configmap_name(cache["metadata"]["name"])),
-        "data": {C.PLAN_KEY: doc.to_json()},
+        "metadata": _metadata(cache, constants.placement_configmap_name(cache["metadata"]["name"])),
+        "data": {constants.PLAN_KEY: doc.to_json()},
     }
 
 
@@ -164,12 +167,12 @@ def service(cache: Mapping[str, Any], spec: WeightCacheSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(cache, C.rendezvous_service_name(name)),
+        "metadata": _metadata(cache, constants.rendezvous_service_name(name)),
         "spec": {
             "clusterIP": "None",
             # The daemons rendezvous while they load, long before any pod is Ready.
             "publishNotReadyAddresses": True,
-            "selector": {**labels(name), C.LABEL_NODE_RANK: "0"},
+            "selector": {**labels(name), constants.LABEL_NODE_RANK: "0"},
             "ports": [
                 {"name": "rendezvous", "port": ports.rendezvous, "protocol": "TCP"},
                 {"name": "draft", "port": ports.draft_rendezvous, "protocol": "TCP"},
@@ -244,12 +247,12 @@ def _env(name: str, spec: WeightCacheSpec) -> list[dict[str, Any]]:
         return {"fieldRef": {"fieldPath": path}}
 
     env = [
-        {"name": C.ENV_CACHE_NAME, "value": name},
-        {"name": C.ENV_NAMESPACE, "valueFrom": field("metadata.namespace")},
-        {"name": C.ENV_NODE_NAME, "valueFrom": field("spec.nodeName")},
-        {"name": C.ENV_POD_IP, "valueFrom": field("status.podIP")},
-        {"name": C.ENV_POD_NAME, "valueFrom": field("metadata.name")},
-        {"name": C.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{C.PLAN_KEY}"},
+        {"name": constants.ENV_CACHE_NAME, "value": name},
+        {"name": constants.ENV_NAMESPACE, "valueFrom": field("metadata.namespace")},
+        {"name": constants.ENV_NODE_NAME, "valueFrom": field("spec.nodeName")},
+        {"name": constants.ENV_POD_IP, "valueFrom": field("status.podIP")},
+        {"name": constants.ENV_POD_NAME, "valueFrom": field("metadata.name")},
+        {"name": constants.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{constants.PLAN_KEY}"},
         {"name": "HOME", "value": "/tmp"},
     ]
     if spec.needs_gpus:
@@ -286,8 +289,8 @@ def daemonset(
         {
             "name": "plan",
             "configMap": {
-                "name": C.placement_configmap_name(name),
-                "items": [{"key": C.PLAN_KEY, "path": C.PLAN_KEY}],
+                "name": constants.placement_configmap_name(name),
+                "items": [{"key": constants.PLAN_KEY, "path": constants.PLAN_KEY}],
             },
         },
         {"name": "model", **{k: v for k, v in (model.volume or {}).items() if k != "name"}},
@@ -402,7 +405,7 @@ def daemonset(
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": _metadata(cache, C.agent_daemonset_name(name)),
+        "metadata": _metadata(cache, constants.agent_daemonset_name(name)),
         "spec": {
             "selector": {"matchLabels": labels(name)},
             "updateStrategy": {
@@ -413,7 +416,7 @@ def daemonset(
                 "metadata": {
                     "labels": labels(name),
                     "annotations": {
-                        C.ANN_EPOCH: str(doc.epoch),
+                        constants.ANN_EPOCH: str(doc.epoch),
                         ANN_PLAN_HASH: plan_hash(doc),
                     },
                 },

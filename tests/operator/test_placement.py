@@ -10,7 +10,7 @@ import pytest
 
 from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
 from weightcache.contracts.plan import Plan
-from weightcache.operator import resources as R
+from weightcache.operator import resources
 from weightcache.operator.placement import NodeInfo, ineligible_reason, place
 from weightcache.operator.resources import plan
 from weightcache.operator.spec import validate
@@ -246,8 +246,9 @@ def test_item5_placement_tolerates_exactly_what_the_daemonset_controller_adds(ke
     spec = _spec(tensor=8)
     typed = WeightCacheSpec.from_spec(spec, "ns", "c")
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
-    doc = R.plan(cache, typed, ["n"], epoch=1)
-    pod = R.daemonset(cache, doc.spec, doc, ["n"], R.AgentOptions())["spec"]["template"]["spec"]
+    doc = resources.plan(cache, typed, ["n"], epoch=1)
+    ds = resources.daemonset(cache, doc.spec, doc, ["n"], resources.AgentOptions())
+    pod = ds["spec"]["template"]["spec"]
     assert not pod.get("hostNetwork")
     real_pod = {
         "tolerations": [*pod["tolerations"], *apirules.daemonset_controller_tolerations(False)]
