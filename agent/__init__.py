@@ -5,7 +5,8 @@ launcher (`runtimes/`: `vllm preload` or the native `weightcache preload`), supe
 ranks (`supervisor`), and serves gRPC status and health (`grpc_service`), HTTP probes
 (`health`) and Prometheus metrics (`metrics`).
 
-May import: `weightcache.constants`, `weightcache.contracts`, and the torch-free modules of
+May import: `weightcache.constants`, `weightcache.api` (the plan's typed spec),
+`weightcache.contracts`, `weightcache.errors`, and the torch-free modules of
 `weightcache.native` (protocol, identity, gpu, security, lifetime: the socket protocol, device
 identities and socket-directory checks the daemons use, so both sides check the same way).
 Never the operator, `bench` or `testing`: agents and the operator meet only through the plan

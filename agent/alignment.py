@@ -66,9 +66,9 @@ def identity(cfg: AgentConfig) -> dict[str, object]:
     return {
         "cache": cfg.plan.cache, "namespace": cfg.plan.namespace, "uid": cfg.plan.uid,
         "epoch": cfg.plan.epoch, "runtime": cfg.plan.runtime, "node": cfg.env.node,
-        "nodeRank": cfg.node_rank, "model": (spec.get("model") or {}).get("path"),
+        "nodeRank": cfg.node_rank, "model": spec.model.path,
         "tpSize": cfg.plan.layout.tensor, "expert": cfg.plan.layout.expert,
-        "dtype": (spec.get("engineArgs") or {}).get("dtype") or "auto",
+        "dtype": spec.engine_args.effective_dtype,
     }
 
 

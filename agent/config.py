@@ -13,15 +13,16 @@ import shutil
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from weightcache import constants as C
+from weightcache import constants
+from weightcache.api.v1alpha1 import Ports, WeightCacheSpec
 from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
+from weightcache.errors import ProjectError
 from weightcache.native.gpu import canonical_identity
 from weightcache.native.identity import cpu_identity
 
 
-class ConfigError(Exception):
+class ConfigError(ProjectError):
     """The agent cannot start with this environment or plan; the pod should restart."""
 
 
@@ -39,7 +40,7 @@ class AgentEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEnv:
         env = os.environ if environ is None else environ
-        required = (C.ENV_CACHE_NAME, C.ENV_NAMESPACE, C.ENV_NODE_NAME)
+        required = (constants.ENV_CACHE_NAME, constants.ENV_NAMESPACE, constants.ENV_NODE_NAME)
         missing = [k for k in required if not env.get(k)]
         if missing:
             raise ConfigError(
@@ -47,12 +48,12 @@ class AgentEnv:
                 "the agent DaemonSet must set them from metadata and spec.nodeName"
             )
         return cls(
-            cache=env[C.ENV_CACHE_NAME],
-            namespace=env[C.ENV_NAMESPACE],
-            node=env[C.ENV_NODE_NAME],
-            pod_ip=env.get(C.ENV_POD_IP) or "0.0.0.0",
-            pod_name=env.get(C.ENV_POD_NAME, ""),
-            plan_path=env.get(C.ENV_PLAN) or C.DEFAULT_PLAN_PATH,
+            cache=env[constants.ENV_CACHE_NAME],
+            namespace=env[constants.ENV_NAMESPACE],
+            node=env[constants.ENV_NODE_NAME],
+            pod_ip=env.get(constants.ENV_POD_IP) or "0.0.0.0",
+            pod_name=env.get(constants.ENV_POD_NAME, ""),
+            plan_path=env.get(constants.ENV_PLAN) or constants.DEFAULT_PLAN_PATH,
         )
 
 
@@ -82,7 +83,7 @@ class AgentConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> WeightCacheSpec:
         return self.plan.spec
 
     @property
@@ -91,9 +92,7 @@ class AgentConfig:
 
     @property
     def device_kind(self) -> str:
-        if self.plan.runtime == "vllm":
-            return "cuda"
-        return str(self.spec.get("device") or "cuda")
+        return self.spec.device_kind
 
 
 def parse_plan(text: str | bytes) -> Plan:
@@ -102,14 +101,9 @@ def parse_plan(text: str | bytes) -> Plan:
         plan = Plan.from_json(text)
     except PlanError as exc:
         raise ConfigError(str(exc)) from None
-    model = plan.spec.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
+    path = plan.spec.model.path
+    if "model" in plan.spec.malformed or not isinstance(path, str) or not path:
         raise ConfigError("plan: spec.model.path must be a non-empty string")
-    par = plan.spec.get("parallelism") or {}
-    if not isinstance(par, dict):
-        raise ConfigError("plan: spec.parallelism must be an object")
-    if par.get("pipeline", 1) not in (None, 1):
-        raise ConfigError("plan: pipeline parallelism is not supported by the weight cache daemons")
     return plan
 
 
@@ -179,17 +173,15 @@ def discover_devices(
     return [Device(index=n, uuid=u) for n, u in enumerate(found)]
 
 
-def _ports(spec: Mapping[str, Any]) -> dict[str, int]:
-    ports = dict(C.DEFAULT_PORTS)
-    raw = spec.get("ports") or {}
-    if not isinstance(raw, dict):
+def _ports(spec: WeightCacheSpec) -> dict[str, int]:
+    """The plan's ports by spec name (defaults from the API), each checked to be a port."""
+    if "ports" in spec.malformed:
         raise ConfigError("plan: spec.ports must be an object")
-    for key, value in raw.items():
-        if key not in ports:
-            continue
+    ports = spec.ports.by_name()
+    for key in Ports.NAMES:
+        value = ports[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
             raise ConfigError(f"plan: spec.ports.{key} must be a port number, got {value!r}")
-        ports[key] = value
     return ports
 
 
@@ -216,18 +208,14 @@ def build_config(
     # vLLM's daemons rendezvous across nodes; native ranks need no rendezvous.
     if plan.node_count > 1 and not plan.master_addr and plan.runtime == "vllm":
         raise ConfigError("plan: masterAddr is required when the group spans nodes")
-    kind = "cpu" if plan.runtime == "native" and plan.spec.get("device") == "cpu" else "cuda"
+    kind = plan.spec.device_kind
     devices = discover_devices(kind, local_world, environ, runner)
     if len(devices) < local_world:
         raise ConfigError(
             f"this node has {len(devices)} usable GPU(s) but the plan needs {local_world} "
             f"local rank(s) (world {plan.layout.world_size} over {plan.node_count} node(s))"
         )
-    socket_dir = (
-        environ.get("WEIGHTCACHE_AGENT_SOCKET_DIR")
-        or plan.spec.get("socketDir")
-        or C.default_socket_dir(plan.namespace, plan.cache)
-    )
+    socket_dir = environ.get("WEIGHTCACHE_AGENT_SOCKET_DIR") or str(plan.spec.socket_dir)
     if not os.path.isabs(socket_dir):
         raise ConfigError(f"socket dir {socket_dir!r} must be an absolute path")
     timeout = environ.get("WEIGHTCACHE_LOAD_TIMEOUT_S")

@@ -41,6 +41,7 @@ from weightcache.contracts.vocabulary import (  # noqa: F401  (re-exported for m
     EXIT_PORT,
     EXIT_RUNTIME,
 )
+from weightcache.errors import ProjectError
 from weightcache.native.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
@@ -517,7 +518,7 @@ class Supervisor:
                         os.unlink(path)
 
 
-class PortInUse(Exception):
+class PortInUse(ProjectError):
     """A port the child must bind is already taken."""
 
 

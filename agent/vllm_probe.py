@@ -32,6 +32,8 @@ import struct
 import time
 from typing import Any
 
+from weightcache.errors import ProjectError
+
 _LEN = struct.Struct("!Q")
 MAX_REPLY_BYTES = 64 * 1024
 MAX_NODES = 10_000
@@ -45,7 +47,7 @@ _REQUESTS = {
 }
 
 
-class ProbeError(Exception):
+class ProbeError(ProjectError):
     """The socket did not give a well-formed answer."""
 
 

@@ -25,12 +25,14 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from weightcache.errors import ProjectError
+
 DRIVER = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
 MAX_CEL_CHARS = 10 * 1024  # "The length of the expression must be smaller or equal to 10 Ki."
 
 
-class ClaimError(ValueError):
+class ClaimError(ProjectError, ValueError):
     """No valid template exists for these GPUs; the message says why."""
 
 
@@ -83,12 +85,4 @@ def aligned_claim_template(
         "kind": "ResourceClaimTemplate",
         "metadata": meta,
         "spec": {"spec": {"devices": {"requests": requests}}},
-    }
-
-
-def pod_claim_fields(template: str, claim: str = "weightcache-gpus") -> dict[str, Any]:
-    """What an engine pod adds to use the template (instead of an nvidia.com/gpu limit)."""
-    return {
-        "resourceClaims": [{"name": claim, "resourceClaimTemplateName": template}],
-        "containerClaims": [{"name": claim}],  # goes into containers[].resources.claims
     }

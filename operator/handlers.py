@@ -29,25 +29,28 @@ from typing import Any
 
 import kopf
 
-from weightcache import constants as C
-from weightcache.operator import agentstatus, agentupdate, alignment_events, events, podsecurity
+from weightcache import constants
+from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts.plan import Plan
+from weightcache.errors import ProjectError
+from weightcache.operator import (
+    agentstatus,
+    agentupdate,
+    alignment_events,
+    events,
+    podsecurity,
+    resources,
+    status,
+)
 from weightcache.operator import nodes as node_labels
-from weightcache.operator import resources as R
-from weightcache.operator import status as S
 from weightcache.operator.kube import ApiError, Kube, login, path
 from weightcache.operator.metrics import OperatorMetrics
-from weightcache.operator.placement import NodeInfo, place, ranks_per_node
-from weightcache.operator.spec import (
-    layout,
-    name_problems,
-    update_strategy,
-    validate,
-    with_defaults,
-)
+from weightcache.operator.placement import NodeInfo, PlacementResult, place
+from weightcache.operator.spec import name_problems, validate
 
 registry = kopf.OperatorRegistry()
 EVENT_SOURCE = "weightcache-operator"
-AGENT_LABELS = {C.LABEL_APP: C.AGENT_APP}
+AGENT_LABELS = {constants.LABEL_APP: constants.AGENT_APP}
 CacheKey = tuple[str, str]
 
 
@@ -67,27 +70,27 @@ class PodInfo:
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
-        meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+        meta, spec, observed = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
         annotations = meta.get("annotations") or {}
         return cls(
             name=meta.get("name", ""),
             node=spec.get("nodeName") or "",
             ready=any(
                 c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or ()
+                for c in observed.get("conditions") or ()
             ),
-            epoch=str(annotations.get(C.ANN_EPOCH, "")),
-            plan_hash=str(annotations.get(R.ANN_PLAN_HASH, "")),
+            epoch=str(annotations.get(constants.ANN_EPOCH, "")),
+            plan_hash=str(annotations.get(resources.ANN_PLAN_HASH, "")),
             restarts=sum(
-                int(c.get("restartCount", 0)) for c in status.get("containerStatuses") or ()
+                int(c.get("restartCount", 0)) for c in observed.get("containerStatuses") or ()
             ),
-            rank_label=(meta.get("labels") or {}).get(C.LABEL_NODE_RANK),
+            rank_label=(meta.get("labels") or {}).get(constants.LABEL_NODE_RANK),
             deleting=bool(meta.get("deletionTimestamp")),
-            ip=status.get("podIP") or "",
+            ip=observed.get("podIP") or "",
         )
 
 
-class ApplyError(Exception):
+class ApplyError(ProjectError):
     """The API server refused a write of an owned object (the group is not applied)."""
 
     def __init__(self, kind: str, name: str, error: ApiError) -> None:
@@ -105,10 +108,116 @@ class ApplyError(Exception):
 
 
 @dataclass
+class Pass:
+    """One reconciliation of one cache: what its steps read, and what they decide in turn."""
+
+    body: Mapping[str, Any]
+    namespace: str
+    name: str
+    generation: Any
+    previous: dict[str, Any]
+    fleet: list[NodeInfo]
+    labels_by_node: dict[str, Mapping[str, str]]
+    spec: WeightCacheSpec
+    pods: list[PodInfo]
+    logger: logging.Logger | logging.LoggerAdapter
+    desired: dict[str, str]
+    served: dict[str, str]
+    placement: PlacementResult | None = None
+    epoch: int = 0
+    update_cond: status.Cond | None = None
+    doc: Plan | None = None
+    digest: str = ""
+    level: str = podsecurity.PRIVILEGED
+    current: dict[str, PodInfo] = field(default_factory=dict)
+    states: list[status.NodeState] = field(default_factory=list)
+    generations: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls,
+        ctl: Controller,
+        body: Mapping[str, Any],
+        nodes_index: Mapping[str, Any],
+        agents_index: Mapping[CacheKey, Any],
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> Pass:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = (namespace, name)
+        previous = ctl.statuses.get(key) or dict(body.get("status") or {})
+        fleet = [info for store in nodes_index.values() for info in store]
+        spec = WeightCacheSpec.from_spec(body.get("spec") or {}, namespace, name)
+        desired = model_of(spec)
+        return cls(
+            body=body,
+            namespace=namespace,
+            name=name,
+            generation=meta.get("generation"),
+            previous=previous,
+            fleet=fleet,
+            labels_by_node={info.name: info.labels for info in fleet},
+            spec=spec,
+            pods=[pod for pod in (agents_index.get(key) or []) if not pod.deleting],
+            logger=logger,
+            desired=desired,
+            served=dict(previous.get("model") or desired),
+        )
+
+    @property
+    def key(self) -> CacheKey:
+        return (self.namespace, self.name)
+
+    @property
+    def previous_nodes(self) -> list[str]:
+        """The last plan's nodes by rank."""
+        entries = sorted(self.previous.get("nodes") or [], key=lambda n: n["rank"])
+        return [n["node"] for n in entries]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        assert self.placement is not None
+        return self.placement.nodes
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {node: rank for rank, node in enumerate(self.nodes)}
+
+    def plan(self) -> Plan:
+        """The plan of the placed group serving the revision it serves now."""
+        return resources.plan(self.body, serving(self.spec, self.served), self.nodes, self.epoch)
+
+    def observe_members(self) -> None:
+        """Which agent pods belong to this epoch and plan, and each node's state."""
+        ranks = self.ranks
+        per_node = self.spec.launched_layout().ranks_per_node
+        self.current = {
+            pod.node: pod
+            for pod in self.pods
+            if pod.epoch == str(self.epoch) and pod.plan_hash == self.digest and pod.node in ranks
+        }
+        current = self.current
+        self.states = [
+            status.NodeState(
+                node=node,
+                rank=rank,
+                ranks_total=per_node,
+                pod=current[node].name if node in current else "",
+                ready=node in current and current[node].ready,
+                restarts=current[node].restarts if node in current else 0,
+            )
+            for node, rank in ranks.items()
+        ]
+        self.generations = {
+            n["node"]: n for n in self.previous.get("nodes") or [] if n.get("pod")
+        }
+
+
+@dataclass
 class Options:
     """Operator-wide options (from `weightcache operator` flags)."""
 
-    agent: R.AgentOptions = field(default_factory=R.AgentOptions)
+    agent: resources.AgentOptions = field(default_factory=resources.AgentOptions)
     resync_s: float = 30.0
     debounce_s: float = 0.05
     # Ask ready agents for bytes cached over gRPC (optional detail; readiness never needs it).
@@ -184,242 +293,247 @@ class Controller:
         agents_index: Mapping[CacheKey, Any],
         logger: logging.Logger | logging.LoggerAdapter,
     ) -> str:
+        """One pass, as named steps; a step that ends the pass returns its phase."""
         assert self.kube is not None, "the startup handler connects the client"
-        meta = body["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        key = (namespace, name)
-        generation = meta.get("generation")
-        previous = self.statuses.get(key) or dict(body.get("status") or {})
-        fleet = [info for store in nodes_index.values() for info in store]
-        labels_by_node = {info.name: info.labels for info in fleet}
+        run = Pass.start(self, body, nodes_index, agents_index, logger)
+        for step in (self._check_spec, self._place, self._apply_plan):
+            phase = await step(run)
+            if phase is not None:
+                return phase
+        await self._label_pods(run.namespace, run.pods, run.ranks)
+        run.observe_members()
+        await self._update_model(run)
+        cached = await self._agent_status(run)
+        return await self._report(run, cached)
 
-        spec = with_defaults(dict(body.get("spec") or {}), namespace, name)
-        problems = name_problems(name) + validate(spec)
-        if problems:
-            # Nothing is created or changed for a spec that cannot be placed: a previous
-            # valid group keeps serving, and no half-built group appears.
-            new = S.invalid(previous, problems, generation)
-            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
-            logger.warning("invalid spec: %s", new["message"])
-            return "Invalid"
+    async def _check_spec(self, run: Pass) -> str | None:
+        """Invalid when the name or the spec cannot be placed."""
+        problems = name_problems(run.name) + validate(run.spec)
+        if not problems:
+            return None
+        # Nothing is created or changed for a spec that cannot be placed: a previous
+        # valid group keeps serving, and no half-built group appears.
+        new = status.invalid(run.previous, problems, run.generation)
+        await self._finish(run.body, run.key, run.previous, new, run.labels_by_node, ())
+        run.logger.warning("invalid spec: %s", new["message"])
+        return "Invalid"
 
-        lay = layout(spec)
-        previous_nodes = [
-            n["node"] for n in sorted(previous.get("nodes") or [], key=lambda n: n["rank"])
-        ]
-        result = place(previous_nodes, fleet, spec, lay)
-        if not result.schedulable:
-            new = S.unschedulable(
-                previous,
-                need=lay.nodes,
-                eligible=result.eligible,
-                reasons=result.reasons,
-                generation=generation,
+    async def _place(self, run: Pass) -> str | None:
+        """Choose the nodes (ranks are sticky), then the epoch and the served revision."""
+        run.placement = place(run.previous_nodes, run.fleet, run.spec)
+        if not run.placement.schedulable:
+            new = status.unschedulable(
+                run.previous,
+                need=run.spec.parallelism.nodes,
+                eligible=run.placement.eligible,
+                reasons=run.placement.reasons,
+                generation=run.generation,
             )
             # Keep the previous placement in memory so returning nodes get their ranks back.
-            new["nodes"] = previous.get("nodes") or []
-            new["epoch"] = previous.get("epoch", 0)
-            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
+            new["nodes"] = run.previous.get("nodes") or []
+            new["epoch"] = run.previous.get("epoch", 0)
+            await self._finish(run.body, run.key, run.previous, new, run.labels_by_node, ())
             return "Unschedulable"
+        await self._advance_epoch(run)
+        await self._recreate_on_new_model(run)
+        return None
 
-        pods = [pod for pod in (agents_index.get(key) or []) if not pod.deleting]
-        epoch = int(previous.get("epoch") or 0)
-        if not previous_nodes:
+    async def _advance_epoch(self, run: Pass) -> None:
+        """A new group starts at epoch 1; a re-placed or failed group restarts under epoch+1."""
+        assert run.placement is not None
+        nodes = run.spec.parallelism.nodes
+        epoch = int(run.previous.get("epoch") or 0)
+        if not run.previous_nodes:
             epoch = max(epoch, 1)
-        elif result.replaced:
+        elif run.placement.replaced:
             epoch += 1
             message = (
-                f"re-placed the group on {S.node_list(result.nodes)} (lost "
-                f"{S.node_list(result.replaced)}); restarting all members with epoch {epoch}"
+                f"re-placed the group on {status.node_list(run.placement.nodes)} (lost "
+                f"{status.node_list(run.placement.replaced)}); restarting all members with epoch "
+                f"{epoch}"
             )
-            await self.event(body, "Warning", "Replaced", message)
-            logger.warning(message)
-        elif self._group_failed(previous, lay.nodes, pods, epoch):
+            await self.event(run.body, "Warning", "Replaced", message)
+            run.logger.warning(message)
+        elif self._group_failed(run.previous, nodes, run.pods, epoch):
             epoch += 1
             message = (
-                f"a member of the {lay.nodes}-node group failed; restarting all with epoch {epoch}"
+                f"a member of the {nodes}-node group failed; restarting all with epoch {epoch}"
             )
-            await self.event(body, "Warning", "GroupRestart", message)
-            logger.warning(message)
+            await self.event(run.body, "Warning", "GroupRestart", message)
+            run.logger.warning(message)
+        run.epoch = epoch
 
-        # The model revision the group serves trails spec.model until an in-place update of
-        # it succeeded; the plan (what a restarting agent loads) names the served one.
-        desired = model_of(spec)
-        served = dict(previous.get("model") or desired)
-        update_cond: S.Cond | None = None
-        if served != desired and update_strategy(spec) == "Recreate":
-            note = (
-                "runtime vllm cannot update in place (vLLM's weight-cache daemon has no update "
-                "command); recreating the group on the new revision"
-                if spec["runtime"] == "vllm"
-                else "updateStrategy Recreate: restarting the group on the new revision"
-            )
-            await self.event(body, "Normal", "Recreating", note)
-            served, update_cond = desired, S.Cond(False, "Recreated", note)
-        plan_spec = serving(spec, served)
-        doc = R.plan(body, plan_spec, lay, result.nodes, epoch)
-        digest = R.plan_hash(doc)
-        level = await self._pod_security_level(namespace)
+    async def _recreate_on_new_model(self, run: Pass) -> None:
+        """The model revision the group serves trails spec.model until an in-place update of
+        it succeeded; with updateStrategy Recreate (always for vllm) the group restarts on
+        the new one at once."""
+        if run.served == run.desired or run.spec.update_type != "Recreate":
+            return
+        note = (
+            "runtime vllm cannot update in place (vLLM's weight-cache daemon has no update "
+            "command); recreating the group on the new revision"
+            if run.spec.runtime == "vllm"
+            else "updateStrategy Recreate: restarting the group on the new revision"
+        )
+        await self.event(run.body, "Normal", "Recreating", note)
+        run.served, run.update_cond = dict(run.desired), status.Cond(False, "Recreated", note)
+
+    async def _apply_plan(self, run: Pass) -> str | None:
+        """Apply the plan ConfigMap, rendezvous Service and agent DaemonSet as one group."""
+        run.doc = run.plan()
+        run.digest = resources.plan_hash(run.doc)
+        run.level = await self._pod_security_level(run.namespace)
         try:
             await self._apply_group(
                 [
-                    (R.configmap(body, doc), "v1", "configmaps"),
-                    (R.service(body, spec), "v1", "services"),
+                    (resources.configmap(run.body, run.doc), "v1", "configmaps"),
+                    (resources.service(run.body, run.spec), "v1", "services"),
                     (
-                        R.daemonset(body, plan_spec, doc, result.nodes, self.options.agent),
+                        resources.daemonset(run.body, run.doc.spec, run.doc, run.nodes,
+                                    self.options.agent),
                         "apps/v1",
                         "daemonsets",
                     ),
                 ]
             )
         except ApplyError as exc:
-            new = S.failed(
-                previous, reason=exc.reason, message=str(exc), generation=generation
+            new = status.failed(
+                run.previous, reason=exc.reason, message=str(exc), generation=run.generation
             )
-            new["nodes"] = previous.get("nodes") or []
-            new["epoch"] = previous.get("epoch", 0)
-            await self._finish(body, key, previous, new, labels_by_node, ready_nodes=())
-            logger.error("%s", exc)
+            new["nodes"] = run.previous.get("nodes") or []
+            new["epoch"] = run.previous.get("epoch", 0)
+            await self._finish(run.body, run.key, run.previous, new, run.labels_by_node, ())
+            run.logger.error("%s", exc)
             if exc.transient:
                 raise  # retried with backoff
             return "Failed"
-        ranks = {node: rank for rank, node in enumerate(result.nodes)}
-        self.ranks[key] = ranks
-        await self._label_pods(namespace, pods, ranks)
+        self.ranks[run.key] = run.ranks
+        return None
 
-        per_node = ranks_per_node(lay)
-        current = {
-            pod.node: pod
-            for pod in pods
-            if pod.epoch == str(epoch) and pod.plan_hash == digest and pod.node in ranks
-        }
-        states = [
-            S.NodeState(
-                node=node,
-                rank=rank,
-                ranks_total=per_node,
-                pod=current[node].name if node in current else "",
-                ready=node in current and current[node].ready,
-                restarts=current[node].restarts if node in current else 0,
-            )
-            for node, rank in ranks.items()
+    async def _update_model(self, run: Pass) -> None:
+        """Move the group to spec.model in place; once it serves it, rewrite the plan."""
+        if run.served == run.desired:
+            return
+        run.served, run.update_cond, updated = await self._update_in_place(
+            run.body, run.previous, run.spec, run.desired, run.served, run.current, run.ranks)
+        if run.served != run.desired:
+            return
+        run.generations = updated
+        try:
+            await self._apply(resources.configmap(run.body, run.plan()), "v1", "configmaps")
+        except ApiError as exc:
+            # The daemons already committed the new revision: status must say so (or the
+            # next pass would update again); the next pass's _apply_group rewrites the plan.
+            error = ApplyError("ConfigMap", constants.placement_configmap_name(run.name), exc)
+            message = (f"{error}; the group serves {run.served['path']}@"
+                       f"{run.served['revision']} and the next pass rewrites the plan")
+            await self.event(run.body, "Warning", error.reason, message)
+            run.logger.error("%s", message)
+
+    async def _agent_status(self, run: Pass) -> int | None:
+        """Bytes cached by the ready agents (None: not asked), posting their alignment misses."""
+        if not self.options.agent_status:
+            return None
+        addresses = [
+            f"{pod.ip}:{run.spec.ports.grpc}" for pod in run.current.values()
+            if pod.ready and pod.ip
         ]
-        generations = {
-            n["node"]: n for n in previous.get("nodes") or [] if n.get("pod")
-        }
-        if served != desired:
-            served, update_cond, updated = await self._update_in_place(
-                body, previous, spec, desired, served, current, ranks)
-            if served == desired:
-                doc = R.plan(body, serving(spec, served), lay, result.nodes, epoch)
-                generations = updated
-                try:
-                    await self._apply(R.configmap(body, doc), "v1", "configmaps")
-                except ApiError as exc:
-                    # The daemons already committed the new revision: status must say so
-                    # (or the next pass would update again); the next pass's _apply_group
-                    # rewrites the plan.
-                    error = ApplyError("ConfigMap", C.placement_configmap_name(name), exc)
-                    message = (f"{error}; the group serves {served['path']}@"
-                               f"{served['revision']} and the next pass rewrites the plan")
-                    await self.event(body, "Warning", error.reason, message)
-                    logger.error("%s", message)
-        if self.options.agent_status:
-            addresses = [
-                f"{pod.ip}:{spec['ports']['grpc']}"
-                for pod in current.values()
-                if pod.ready and pod.ip
-            ]
-            cached, misses = (
-                await agentstatus.group_status(addresses, self.options.agent_status_timeout_s)
-                if addresses
-                else (0, {})
-            )
-            seen = self.alignment_seen.setdefault(key, {})
-            await self.post_events(
-                alignment_events.events_for(seen, body["metadata"], misses, EVENT_SOURCE))
-            for gone in set(seen) - set(addresses):
-                del seen[gone]
-        else:
-            cached = None
-        pods_seen = sum(1 for pod in pods if pod.node in ranks)
+        cached, misses = (
+            await agentstatus.group_status(addresses, self.options.agent_status_timeout_s)
+            if addresses
+            else (0, {})
+        )
+        seen = self.alignment_seen.setdefault(run.key, {})
+        await self.post_events(
+            alignment_events.events_for(seen, run.body["metadata"], misses, EVENT_SOURCE))
+        for gone in set(seen) - set(addresses):
+            del seen[gone]
+        return cached
+
+    async def _report(self, run: Pass, cached: int | None) -> str:
+        """The status of the applied group: Failed when agent pods cannot be created."""
+        pods_seen = sum(1 for pod in run.pods if pod.node in run.ranks)
         blocked = (
-            await self._pods_blocked(namespace, name, level, spec["runtime"])
+            await self._pods_blocked(run.namespace, run.name, run.level, str(run.spec.runtime))
             if pods_seen == 0
             else None
         )
         if blocked is not None:
-            new = S.failed(
-                previous,
+            new = status.failed(
+                run.previous,
                 reason=blocked[0],
                 message=blocked[1],
-                generation=generation,
-                nodes=states,
-                epoch=epoch,
+                generation=run.generation,
+                nodes=run.states,
+                epoch=run.epoch,
             )
         else:
-            new = S.observed(
-                previous,
-                nodes=states,
+            new = status.observed(
+                run.previous,
+                nodes=run.states,
                 pods_seen=pods_seen,
-                epoch=epoch,
-                generation=generation,
+                epoch=run.epoch,
+                generation=run.generation,
                 bytes_cached=cached,
             )
         # The webhook warns engine pods from this; null removes a stale value (merge patch).
-        new["podSecurity"] = level if level != podsecurity.PRIVILEGED else None
-        new["model"] = served
+        new["podSecurity"] = run.level if run.level != podsecurity.PRIVILEGED else None
+        new["model"] = run.served
         for entry in new["nodes"]:
-            seen = generations.get(entry["node"]) or {}
+            seen = run.generations.get(entry["node"]) or {}
             same_pod = seen.get("pod") == entry["pod"]
             entry["generation"] = int(seen.get("generation", 1)) if same_pod else 1
-            entry["revision"] = served["revision"]
-        S.with_updating(new, previous, update_cond, generation)
-        if update_cond is not None and not update_cond.status and served != desired:
-            new["message"] = update_cond.message
-        ready_nodes = list(ranks) if new["phase"] == "Ready" else []
-        await self._finish(body, key, previous, new, labels_by_node, ready_nodes=ready_nodes)
+            entry["revision"] = run.served["revision"]
+        status.with_updating(new, run.previous, run.update_cond, run.generation)
+        if (run.update_cond is not None and not run.update_cond.status
+                and run.served != run.desired):
+            new["message"] = run.update_cond.message
+        ready_nodes = list(run.ranks) if new["phase"] == "Ready" else []
+        await self._finish(run.body, run.key, run.previous, new, run.labels_by_node,
+                           ready_nodes=ready_nodes)
         return new["phase"]
 
     async def _update_in_place(
         self,
         body: Mapping[str, Any],
         previous: Mapping[str, Any],
-        spec: Mapping[str, Any],
+        spec: WeightCacheSpec,
         desired: dict[str, str],
         served: dict[str, str],
         current: Mapping[str, PodInfo],
         ranks: Mapping[str, int],
-    ) -> tuple[dict[str, str], S.Cond, dict[str, dict[str, Any]]]:
+    ) -> tuple[dict[str, str], status.Cond, dict[str, dict[str, Any]]]:
         """Try the in-place update once per target revision, when the whole group is ready.
 
         Returns the served revision, the Updating condition and the per-node generations."""
-        old = next((c for c in previous.get("conditions") or () if c.get("type") == S.UPDATING),
-                   None)
+        old = next(
+            (c for c in previous.get("conditions") or () if c.get("type") == status.UPDATING),
+            None,
+        )
         target = f"{desired['path']}@{desired['revision']}"
         if (old is not None and old.get("reason") not in ("Updated", "Recreated")
                 and f"update to {target} " in (old.get("message") or "")):
             # Refused or failed for this very target: wait for a new spec, do not hammer.
-            return served, S.Cond(False, old["reason"], old["message"]), {}
+            return served, status.Cond(False, old["reason"], old["message"]), {}
         group_ready = len(current) == len(ranks) and all(
             p.ready and p.ip for p in current.values())
         if not group_ready:
-            return served, S.Cond(True, "WaitingForGroup",
+            return served, status.Cond(True, "WaitingForGroup",
                                   f"waiting for every node to be ready to update to {target}"), {}
-        by_address = {f"{p.ip}:{spec['ports']['grpc']}": p for p in current.values()}
+        by_address = {f"{p.ip}:{spec.ports.grpc}": p for p in current.values()}
         result = await agentupdate.update_group(list(by_address), desired["path"],
                                                 desired["revision"])
         if not result.ok:
             message = (f"update to {target} {'failed' if result.broken else 'refused'}: "
                        f"{result.message}; still serving {served['path']}@{served['revision']}")
             await self.event(body, "Warning", result.reason, message)
-            return served, S.Cond(False, result.reason, message), {}
+            return served, status.Cond(False, result.reason, message), {}
         gens = {by_address[a].node: {"pod": by_address[a].name, "generation": g}
                 for a, g in result.generations.items()}
         message = (f"updated in place to {target} on {len(gens)} node(s), generation "
                    f"{max(result.generations.values(), default=0)}")
         await self.event(body, "Normal", "Updated", message)
-        return dict(desired), S.Cond(False, "Updated", message), gens
+        return dict(desired), status.Cond(False, "Updated", message), gens
 
     @staticmethod
     def _group_failed(
@@ -483,7 +597,7 @@ class Controller:
                     raise
                 actual = await self.kube.get(url) or {}
         wanted = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
-        if not R.contains(actual, wanted):
+        if not resources.contains(actual, wanted):
             await self.kube.patch(url, wanted)
         return False
 
@@ -507,7 +621,7 @@ class Controller:
         predicts the refusal before the first attempt.
         """
         assert self.kube is not None
-        ds = C.agent_daemonset_name(name)
+        ds = constants.agent_daemonset_name(name)
         try:
             found = await self.kube.list(
                 path("v1", "events", namespace),
@@ -543,7 +657,7 @@ class Controller:
             try:
                 await self.kube.patch(
                     path("v1", "pods", namespace, pod.name),
-                    {"metadata": {"labels": {C.LABEL_NODE_RANK: want}}},
+                    {"metadata": {"labels": {constants.LABEL_NODE_RANK: want}}},
                 )
             except ApiError as exc:
                 # Status must still be reported; without the label only the rendezvous
@@ -569,14 +683,15 @@ class Controller:
         for carried in ("model", "podSecurity"):
             if carried not in new and carried in previous:
                 new[carried] = previous[carried]
-        if not any(c.get("type") == S.UPDATING for c in new.get("conditions") or ()):
-            S.with_updating(new, previous, None, None)
+        if not any(c.get("type") == status.UPDATING for c in new.get("conditions") or ()):
+            status.with_updating(new, previous, None, None)
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes)
-        if not S.same(previous, new):
+        if not status.same(previous, new):
             await self.kube.patch(
-                path(C.API_VERSION, C.PLURAL, namespace, name, "status"), {"status": new}
+                path(constants.API_VERSION, constants.PLURAL, namespace, name, "status"),
+                {"status": new},
             )
-            event = S.transition_event(previous, new)
+            event = status.transition_event(previous, new)
             if event:
                 await self.event(body, *event)
         self.statuses[key] = new
@@ -608,11 +723,13 @@ class Controller:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         await self.kube.delete(
-            path("apps/v1", "daemonsets", namespace, C.agent_daemonset_name(name))
+            path("apps/v1", "daemonsets", namespace, constants.agent_daemonset_name(name))
         )
-        await self.kube.delete(path("v1", "services", namespace, C.rendezvous_service_name(name)))
         await self.kube.delete(
-            path("v1", "configmaps", namespace, C.placement_configmap_name(name))
+            path("v1", "services", namespace, constants.rendezvous_service_name(name))
+        )
+        await self.kube.delete(
+            path("v1", "configmaps", namespace, constants.placement_configmap_name(name))
         )
         labels_by_node = {
             info.name: info.labels for store in nodes_index.values() for info in store
@@ -621,18 +738,14 @@ class Controller:
         self.forget((namespace, name))
 
 
-def model_of(spec: Mapping[str, Any]) -> dict[str, str]:
-    model = spec.get("model") or {}
-    return {"path": str(model.get("path", "")), "revision": str(model.get("revision") or "")}
+def model_of(spec: WeightCacheSpec) -> dict[str, str]:
+    """The model revision a spec asks for, as status.model records it."""
+    return {"path": str(spec.model.path or ""), "revision": str(spec.model.revision or "")}
 
 
-def serving(spec: Mapping[str, Any], served: Mapping[str, str]) -> dict[str, Any]:
+def serving(spec: WeightCacheSpec, served: Mapping[str, str]) -> WeightCacheSpec:
     """`spec` with the model revision the group actually serves."""
-    model = {**(spec.get("model") or {}), "path": served["path"]}
-    model.pop("revision", None)
-    if served.get("revision"):
-        model["revision"] = served["revision"]
-    return {**spec, "model": model}
+    return spec.with_model(served["path"], served.get("revision") or None)
 
 
 def controller(memo: Any) -> Controller:
@@ -672,7 +785,7 @@ def nodes_index(name: str, body: Mapping[str, Any], **_: Any) -> dict[str, NodeI
 def agents_index(
     namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any
 ) -> dict[CacheKey, PodInfo] | None:
-    cache = labels.get(C.LABEL_CACHE)
+    cache = labels.get(constants.LABEL_CACHE)
     if not cache:
         return None
     return {(namespace, cache): PodInfo.from_pod(body)}
@@ -693,17 +806,22 @@ def _node_event(type: str, name: str, body: Mapping[str, Any], memo: Any, **_: A
 
 @kopf.on.event("v1", "pods", labels=AGENT_LABELS, registry=registry)
 def _pod_event(namespace: str, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    cache = labels.get(C.LABEL_CACHE)
+    cache = labels.get(constants.LABEL_CACHE)
     if cache:
         controller(memo).poke((namespace, cache))
 
 
-@kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec", registry=registry)
+@kopf.on.update(
+    constants.GROUP, constants.VERSION, constants.PLURAL, field="spec", registry=registry
+)
 def _spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
     controller(memo).poke((namespace, name))
 
 
-@kopf.daemon(C.GROUP, C.VERSION, C.PLURAL, registry=registry, cancellation_timeout=10)
+@kopf.daemon(
+    constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry,
+    cancellation_timeout=10,
+)
 async def _reconciler(
     stopped: Any,
     body: Mapping[str, Any],
@@ -739,7 +857,7 @@ async def _reconciler(
         await asyncio.sleep(ctl.options.debounce_s)
 
 
-@kopf.on.delete(C.GROUP, C.VERSION, C.PLURAL, registry=registry)
+@kopf.on.delete(constants.GROUP, constants.VERSION, constants.PLURAL, registry=registry)
 async def _deleted(
     body: Mapping[str, Any], memo: Any, nodes_index: Any, logger: Any, **_: Any
 ) -> None:
@@ -750,13 +868,13 @@ async def _deleted(
 def configure(settings: kopf.OperatorSettings) -> None:
     """Settings every run of this operator uses (main.py adds peering and logging)."""
     # Handler progress lives in annotations; status belongs to the reconciler alone.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=C.GROUP, key="last-handled-configuration"
+        prefix=constants.GROUP, key="last-handled-configuration"
     )
-    settings.persistence.finalizer = f"{C.GROUP}/finalizer"
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     # Only our own events (kopf.event) and real warnings reach the API.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     # Only agent pods, filtered by the API server: a cluster's other pods never reach us.
-    settings.watching.label_selectors["v1", "pods"] = f"{C.LABEL_APP}={C.AGENT_APP}"
+    settings.watching.label_selectors["v1", "pods"] = f"{constants.LABEL_APP}={constants.AGENT_APP}"

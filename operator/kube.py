@@ -18,6 +18,7 @@ import aiohttp
 import kopf
 
 from weightcache import __version__
+from weightcache.errors import ProjectError
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = f"weightcache-operator/{__version__}"
@@ -25,7 +26,7 @@ USER_AGENT = f"weightcache-operator/{__version__}"
 MAX_RESPONSE_BYTES = 64 << 20
 
 
-class ApiError(Exception):
+class ApiError(ProjectError):
     """A non-success answer of the API server."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightcache.operator.spec import Parallelism
+from weightcache.api.v1alpha1 import WeightCacheSpec
 
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 GPU_COUNT_LABELS = ("nvidia.com/gpu.count", "amd.com/gpu.count")
@@ -95,25 +95,21 @@ def _gpu_count(status: Mapping[str, Any], labels: Mapping[str, str]) -> int:
     return 0
 
 
-def ineligible_reason(node: NodeInfo, spec: Mapping[str, Any], layout: Parallelism) -> str | None:
+def ineligible_reason(node: NodeInfo, spec: WeightCacheSpec) -> str | None:
     """Why `node` cannot host the cache (a short reason key), or None when it can."""
     if not node.ready:
         return "NotReady"
-    placement = spec.get("placement") or {}
-    selector = placement.get("nodeSelector") or {}
+    placement = spec.placement
+    selector = placement.node_selector or {}
     if any(node.labels.get(key) != value for key, value in selector.items()):
         return "NodeSelectorMismatch"
-    if not _affinity_matches(node, placement.get("affinity") or {}):
+    if not _affinity_matches(node, placement.affinity or {}):
         return "AffinityMismatch"
-    if not _taints_tolerated(node.taints, placement.get("tolerations") or []):
+    if not _taints_tolerated(node.taints, placement.tolerations or []):
         return "TaintNotTolerated"
-    if needs_gpus(spec) and node.gpus < layout.gpus_per_node:
+    if spec.needs_gpus and node.gpus < spec.gpus:
         return "NotEnoughGPUs"
     return None
-
-
-def needs_gpus(spec: Mapping[str, Any]) -> bool:
-    return not (spec.get("runtime") == "native" and spec.get("device") == "cpu")
 
 
 def _taints_tolerated(taints: Iterable[Mapping[str, Any]], tolerations: list[dict]) -> bool:
@@ -190,18 +186,13 @@ class PlacementResult:
     def schedulable(self) -> bool:
         return bool(self.nodes)
 
-    @property
-    def changed_members(self) -> bool:
-        return bool(self.replaced)
-
 
 def place(
     previous: list[str],
     nodes: Iterable[NodeInfo],
-    spec: Mapping[str, Any],
-    layout: Parallelism,
+    spec: WeightCacheSpec,
 ) -> PlacementResult:
-    """Choose `layout.nodes` nodes, keeping every previous node that is still eligible at its rank.
+    """Choose `parallelism.nodes` nodes, keeping every previous node still eligible at its rank.
 
     `previous` lists the node names by rank from the last plan (empty for a new cache).
     """
@@ -209,12 +200,12 @@ def place(
     reasons: Counter[str] = Counter()
     eligible: set[str] = set()
     for node in by_name.values():
-        reason = ineligible_reason(node, spec, layout)
+        reason = ineligible_reason(node, spec)
         if reason is None:
             eligible.add(node.name)
         else:
             reasons[reason] += 1
-    want = layout.nodes
+    want = spec.parallelism.nodes
     if len(eligible) < want:
         return PlacementResult(nodes=(), eligible=len(eligible), reasons=dict(reasons))
     # A previous plan for another group size is not a base to keep ranks from.
@@ -229,7 +220,3 @@ def place(
         nodes=tuple(final), eligible=len(eligible), replaced=replaced, reasons=dict(reasons)
     )
 
-
-def ranks_per_node(layout: Parallelism) -> int:
-    """Daemon ranks on each placed node, filler replicas included."""
-    return layout.per_node_world * layout.replicas_per_node

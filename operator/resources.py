@@ -20,13 +20,11 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
 
-from weightcache import __version__
-from weightcache import constants as C
-from weightcache.contracts.plan import GroupLayout, Plan
-from weightcache.operator.placement import needs_gpus
-from weightcache.operator.spec import Parallelism
+from weightcache import __version__, constants
+from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts.plan import Plan
 
-ANN_PLAN_HASH = f"{C.GROUP}/plan-hash"
+ANN_PLAN_HASH = f"{constants.GROUP}/plan-hash"
 AGENT_CONTAINER = "agent"
 PLAN_MOUNT_DIR = "/etc/weightcache"
 AGENT_LIB_DIR = "/opt/weightcache"
@@ -75,14 +73,18 @@ class AgentOptions:
 
 def labels(name: str) -> dict[str, str]:
     """Labels of every owned object and of the agent pod template (never the node rank)."""
-    return {C.LABEL_APP: C.AGENT_APP, C.LABEL_INSTANCE: name, C.LABEL_CACHE: name}
+    return {
+        constants.LABEL_APP: constants.AGENT_APP,
+        constants.LABEL_INSTANCE: name,
+        constants.LABEL_CACHE: name,
+    }
 
 
 def owner_reference(cache: Mapping[str, Any]) -> dict[str, Any]:
     meta = cache["metadata"]
     return {
-        "apiVersion": C.API_VERSION,
-        "kind": C.KIND,
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
         "name": meta["name"],
         "uid": meta.get("uid", ""),
         "controller": True,
@@ -100,13 +102,12 @@ def _metadata(cache: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 
 def master_addr(namespace: str, name: str) -> str:
-    return f"{C.rendezvous_service_name(name)}.{namespace}.svc"
+    return f"{constants.rendezvous_service_name(name)}.{namespace}.svc"
 
 
 def plan(
     cache: Mapping[str, Any],
-    spec: Mapping[str, Any],
-    layout: Parallelism,
+    spec: WeightCacheSpec,
     nodes: Sequence[str],
     epoch: int,
 ) -> Plan:
@@ -117,25 +118,20 @@ def plan(
     counts them, so every GPU's rank follows the global layout `node_rank * local + i`.
     """
     meta = cache["metadata"]
-    replicas = layout.replicas_per_node
+    layout = spec.launched_layout()
+    gpus = spec.gpus
     return Plan(
         cache=meta["name"],
         namespace=meta["namespace"],
         uid=meta.get("uid", ""),
         epoch=epoch,
-        runtime=spec["runtime"],
+        runtime=str(spec.runtime),
         master_addr=master_addr(meta["namespace"], meta["name"]),
         node_count=layout.nodes,
-        gpus_per_node=layout.gpus_per_node,
+        gpus_per_node=gpus,
         nodes={node: rank for rank, node in enumerate(nodes)},
-        layout=GroupLayout(
-            tensor=layout.tensor,
-            data=layout.data * replicas,
-            data_local=layout.data_local * replicas,
-            expert=layout.expert,
-            world_size=layout.world_size * replicas,
-        ),
-        spec=dict(spec),
+        layout=layout,
+        spec=spec.with_layout(layout, gpus),
     )
 
 
@@ -146,11 +142,11 @@ def plan_hash(doc: Plan) -> str:
     native neither does a new model path or revision: those reach the daemons through the
     agents' Update RPC, and the plan ConfigMap follows once the update succeeded."""
     view = json.loads(doc.to_json())
-    spec = view.get("spec") or {}
-    strategy = (spec.pop("updateStrategy", None) or {}).get("type", "InPlace")
-    if view.get("runtime") == "native" and strategy == "InPlace":
+    document = view["spec"]
+    document.pop("updateStrategy", None)
+    if doc.spec.update_type == "InPlace":
         for key in ("path", "revision"):
-            (spec.get("model") or {}).pop(key, None)
+            document["model"].pop(key, None)
     canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -159,27 +155,27 @@ def configmap(cache: Mapping[str, Any], doc: Plan) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(cache, C.placement_configmap_name(cache["metadata"]["name"])),
-        "data": {C.PLAN_KEY: doc.to_json()},
+        "metadata": _metadata(cache, constants.placement_configmap_name(cache["metadata"]["name"])),
+        "data": {constants.PLAN_KEY: doc.to_json()},
     }
 
 
-def service(cache: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+def service(cache: Mapping[str, Any], spec: WeightCacheSpec) -> dict[str, Any]:
     """Headless Service whose DNS name resolves to the node-rank-0 agent pod (the master)."""
     name = cache["metadata"]["name"]
-    ports = spec["ports"]
+    ports = spec.ports
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(cache, C.rendezvous_service_name(name)),
+        "metadata": _metadata(cache, constants.rendezvous_service_name(name)),
         "spec": {
             "clusterIP": "None",
             # The daemons rendezvous while they load, long before any pod is Ready.
             "publishNotReadyAddresses": True,
-            "selector": {**labels(name), C.LABEL_NODE_RANK: "0"},
+            "selector": {**labels(name), constants.LABEL_NODE_RANK: "0"},
             "ports": [
-                {"name": "rendezvous", "port": ports["rendezvous"], "protocol": "TCP"},
-                {"name": "draft", "port": ports["draftRendezvous"], "protocol": "TCP"},
+                {"name": "rendezvous", "port": ports.rendezvous, "protocol": "TCP"},
+                {"name": "draft", "port": ports.draft_rendezvous, "protocol": "TCP"},
             ],
         },
     }
@@ -246,20 +242,20 @@ def _agent_resources(
     return out
 
 
-def _env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _env(name: str, spec: WeightCacheSpec) -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
 
     env = [
-        {"name": C.ENV_CACHE_NAME, "value": name},
-        {"name": C.ENV_NAMESPACE, "valueFrom": field("metadata.namespace")},
-        {"name": C.ENV_NODE_NAME, "valueFrom": field("spec.nodeName")},
-        {"name": C.ENV_POD_IP, "valueFrom": field("status.podIP")},
-        {"name": C.ENV_POD_NAME, "valueFrom": field("metadata.name")},
-        {"name": C.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{C.PLAN_KEY}"},
+        {"name": constants.ENV_CACHE_NAME, "value": name},
+        {"name": constants.ENV_NAMESPACE, "valueFrom": field("metadata.namespace")},
+        {"name": constants.ENV_NODE_NAME, "valueFrom": field("spec.nodeName")},
+        {"name": constants.ENV_POD_IP, "valueFrom": field("status.podIP")},
+        {"name": constants.ENV_POD_NAME, "valueFrom": field("metadata.name")},
+        {"name": constants.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{constants.PLAN_KEY}"},
         {"name": "HOME", "value": "/tmp"},
     ]
-    if needs_gpus(spec):
+    if spec.needs_gpus:
         # No GPU requests: the agent sees every GPU of the node and pins one rank per GPU.
         env += [
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
@@ -270,7 +266,7 @@ def _env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def daemonset(
     cache: Mapping[str, Any],
-    spec: Mapping[str, Any],
+    spec: WeightCacheSpec,
     doc: Plan,
     nodes: Sequence[str],
     options: AgentOptions,
@@ -282,28 +278,28 @@ def daemonset(
     group cannot re-form around survivors.
     """
     name = cache["metadata"]["name"]
-    vllm = spec["runtime"] == "vllm"
-    ports, run_as = spec["ports"], spec["runAs"]
-    socket_dir = spec["socketDir"]
-    model = spec["model"]
-    placement = spec.get("placement") or {}
-    image = spec["image"] if vllm or spec.get("image") else options.image
+    vllm = spec.runtime == "vllm"
+    ports, run_as = spec.ports, spec.run_as
+    socket_dir = spec.socket_dir
+    model = spec.model
+    placement = spec.placement
+    image = spec.image if vllm or spec.image else options.image
     volumes: list[dict[str, Any]] = [
         {"name": "sockets", "hostPath": {"path": socket_dir, "type": "DirectoryOrCreate"}},
         {
             "name": "plan",
             "configMap": {
-                "name": C.placement_configmap_name(name),
-                "items": [{"key": C.PLAN_KEY, "path": C.PLAN_KEY}],
+                "name": constants.placement_configmap_name(name),
+                "items": [{"key": constants.PLAN_KEY, "path": constants.PLAN_KEY}],
             },
         },
-        {"name": "model", **{k: v for k, v in model["volume"].items() if k != "name"}},
+        {"name": "model", **{k: v for k, v in (model.volume or {}).items() if k != "name"}},
         {"name": "tmp", "emptyDir": {}},
     ]
     mounts = [
         {"name": "sockets", "mountPath": socket_dir},
         {"name": "plan", "mountPath": PLAN_MOUNT_DIR, "readOnly": True},
-        {"name": "model", "mountPath": model["mountPath"], "readOnly": True},
+        {"name": "model", "mountPath": model.mount_path, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     restricted = {
@@ -321,7 +317,7 @@ def daemonset(
             "command": [
                 "sh",
                 "-c",
-                f'chown {run_as["uid"]}:{run_as["gid"]} "$0" && chmod 0700 "$0"',
+                f'chown {run_as.uid}:{run_as.gid} "$0" && chmod 0700 "$0"',
                 socket_dir,
             ],
             "securityContext": {
@@ -356,25 +352,25 @@ def daemonset(
         else ["python3", "-m", "weightcache.cli", "agent"],
         "env": _env(name, spec),
         "ports": [
-            {"name": "grpc", "containerPort": ports["grpc"], "protocol": "TCP"},
-            {"name": "metrics", "containerPort": ports["metrics"], "protocol": "TCP"},
-            {"name": "rendezvous", "containerPort": ports["rendezvous"], "protocol": "TCP"},
-            {"name": "draft", "containerPort": ports["draftRendezvous"], "protocol": "TCP"},
+            {"name": "grpc", "containerPort": ports.grpc, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": ports.metrics, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": ports.rendezvous, "protocol": "TCP"},
+            {"name": "draft", "containerPort": ports.draft_rendezvous, "protocol": "TCP"},
         ],
         # The agent's gRPC health service: "readiness" is SERVING once every local rank
         # answers on its socket, "liveness" while its supervisor runs. Loading a large
         # checkpoint takes minutes, so liveness never waits on the load.
         "readinessProbe": {
-            "grpc": {"port": ports["grpc"], "service": "readiness"},
+            "grpc": {"port": ports.grpc, "service": "readiness"},
             "periodSeconds": 5,
         },
         "livenessProbe": {
-            "grpc": {"port": ports["grpc"], "service": "liveness"},
+            "grpc": {"port": ports.grpc, "service": "liveness"},
             "initialDelaySeconds": 10,
             "periodSeconds": 20,
             "failureThreshold": 6,
         },
-        "resources": _agent_resources(spec.get("resources"), options.requests),
+        "resources": _agent_resources(spec.resources, options.requests),
         "securityContext": restricted,
         "volumeMounts": mounts,
     }
@@ -387,29 +383,29 @@ def daemonset(
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
         "securityContext": {
-            "runAsUser": run_as["uid"],
-            "runAsGroup": run_as["gid"],
-            "runAsNonRoot": run_as["uid"] != 0,
+            "runAsUser": run_as.uid,
+            "runAsGroup": run_as.gid,
+            "runAsNonRoot": run_as.uid != 0,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "initContainers": init_containers,
         "containers": [container],
         "volumes": volumes,
-        "affinity": _pinned_affinity(placement.get("affinity"), nodes),
-        "tolerations": list(placement.get("tolerations") or []),
+        "affinity": _pinned_affinity(placement.affinity, nodes),
+        "tolerations": list(placement.tolerations or []),
     }
-    if placement.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(placement["nodeSelector"])
-    if placement.get("priorityClassName") or options.priority_class:
-        pod_spec["priorityClassName"] = placement.get("priorityClassName") or options.priority_class
-    if options.runtime_class and needs_gpus(spec):
+    if placement.node_selector:
+        pod_spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.priority_class_name or options.priority_class:
+        pod_spec["priorityClassName"] = placement.priority_class_name or options.priority_class
+    if options.runtime_class and spec.needs_gpus:
         pod_spec["runtimeClassName"] = options.runtime_class
     if options.service_account:
         pod_spec["serviceAccountName"] = options.service_account
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": _metadata(cache, C.agent_daemonset_name(name)),
+        "metadata": _metadata(cache, constants.agent_daemonset_name(name)),
         "spec": {
             "selector": {"matchLabels": labels(name)},
             "updateStrategy": {
@@ -420,7 +416,7 @@ def daemonset(
                 "metadata": {
                     "labels": labels(name),
                     "annotations": {
-                        C.ANN_EPOCH: str(doc.epoch),
+                        constants.ANN_EPOCH: str(doc.epoch),
                         ANN_PLAN_HASH: plan_hash(doc),
                     },
                 },

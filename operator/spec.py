@@ -1,22 +1,29 @@
-"""Defaults and semantic validation of a WeightCache spec.
+"""Semantic validation of a WeightCache spec (its defaults live in `weightcache.api.v1alpha1`).
 
 The CRD's OpenAPI schema catches types, enums and ranges; the rules here are the ones it
 cannot express (layout arithmetic, port collisions, image reference form, volume types).
-The same functions serve the operator (which turns problems into an Invalid condition)
-and the validating admission webhook (which turns them into a denial), so a spec the
-webhook admits is one the operator can place.
+They read the typed spec, which keeps the values the user wrote even when invalid, so each
+problem names the user's own field. The same functions serve the operator (which turns
+problems into an Invalid condition) and the validating admission webhook (which turns them
+into a denial), so a spec the webhook admits is one the operator can place.
 """
 
 from __future__ import annotations
 
-import copy
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache import constants as C
-from weightcache.constants import DEFAULT_PLAN_PATH, DEFAULT_PORTS, default_socket_dir
+from weightcache import constants
+from weightcache.api.v1alpha1 import (
+    UPDATE_STRATEGIES,
+    Engine,
+    Parallelism,
+    WeightCacheSpec,
+)
+from weightcache.constants import DEFAULT_PLAN_PATH
 from weightcache.contracts.vocabulary import DEVICES, MODES, RUNTIMES
 from weightcache.operator import imageref
 
@@ -24,23 +31,14 @@ from weightcache.operator import imageref
 # valid: the rendezvous Service's name is a DNS-1035 label (at most 63 characters, starting
 # with a letter: pkg/apis/core/validation ValidateServiceName = NameIsDNS1035Label on
 # Kubernetes <= 1.35), so the cache's own name must leave room for the longest suffix.
-DERIVED_NAMES = (C.agent_daemonset_name, C.rendezvous_service_name, C.placement_configmap_name)
+DERIVED_NAMES = (
+    constants.agent_daemonset_name,
+    constants.rendezvous_service_name,
+    constants.placement_configmap_name,
+)
 MAX_NAME_LENGTH = 63 - max(len(derive("")) for derive in DERIVED_NAMES)
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 NAME_RE = re.compile(NAME_PATTERN)
-# Bounds that keep every owned object within the API server's limits: the plan ConfigMap
-# under 1 MiB and the DaemonSet (one node-affinity term per node) far under etcd's 1.5 MiB
-# request limit, even with 253-character node names (tests/operator/test_apirules.py).
-MAX_NODES = 256
-MAX_GPUS_PER_NODE = 64
-DEFAULT_MOUNT_PATH = "/models"
-DEFAULT_RUN_AS = {"uid": 1000, "gid": 1000}
-DEFAULT_ENGINE = {
-    "mode": "zero_copy",
-    "fallback": True,
-    "connectTimeoutSeconds": 5,
-    "stateTimeoutSeconds": 300,
-}
 # Volume sources that can hold a checkpoint and that a DaemonSet pod on any chosen node
 # can mount. Sources that are per-pod scratch or projections of API objects cannot.
 MOUNTABLE_VOLUMES = frozenset(
@@ -100,121 +98,6 @@ class Problem:
         return f"{self.field}: {self.message}"
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """The parallel layout a valid spec implies (see placement.py for the rank maps)."""
-
-    tensor: int
-    data: int
-    data_local: int
-    expert: bool
-    nodes: int
-    gpus_per_node: int
-    world_size: int
-    per_node_world: int
-    replicas_per_node: int
-
-
-def _int(value: Any, default: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return default
-    return value
-
-
-UPDATE_STRATEGIES = ("InPlace", "Recreate")
-
-
-def update_strategy(spec: dict) -> str:
-    """InPlace or Recreate for a defaulted, valid spec; runtime vllm always recreates (its
-    daemon has no update command: vllm/model_executor/model_loader/weight_cache/daemon.py)."""
-    wanted = ((spec.get("updateStrategy") or {}).get("type")) or "InPlace"
-    return wanted if spec.get("runtime") == "native" else "Recreate"
-
-
-def with_defaults(spec: dict, namespace: str, name: str) -> dict:
-    """Return a deep copy of `spec` with every default of docs/interfaces.md filled in.
-
-    Values the user set are never changed, even when they are invalid: validation must see
-    what the user wrote so its messages point at the user's own field.
-    """
-    out = copy.deepcopy(spec or {})
-    runtime = out.get("runtime")
-    if runtime == "native":
-        out.setdefault("device", "cuda")
-    model = out.setdefault("model", {})
-    if isinstance(model, dict):
-        model.setdefault("mountPath", DEFAULT_MOUNT_PATH)
-        if "volume" not in model and isinstance(model.get("mountPath"), str):
-            # Without a volume the checkpoint is read from the same path on the node.
-            model["volume"] = {"hostPath": {"path": model["mountPath"], "type": "Directory"}}
-    strategy = out.setdefault("updateStrategy", {})
-    if isinstance(strategy, dict):
-        strategy.setdefault("type", "InPlace")
-    engine_args = out.setdefault("engineArgs", {})
-    if isinstance(engine_args, dict):
-        engine_args.setdefault("dtype", "auto")
-        engine_args.setdefault("extraArgs", [])
-    par = out.setdefault("parallelism", {})
-    if isinstance(par, dict):
-        par.setdefault("tensor", 1)
-        par.setdefault("pipeline", 1)
-        par.setdefault("data", 1)
-        par.setdefault("expert", False)
-        par.setdefault("nodes", 1)
-        tensor, data, nodes = _int(par["tensor"], 1), _int(par["data"], 1), _int(par["nodes"], 1)
-        per_node = (tensor * data) // nodes if nodes > 0 and (tensor * data) % nodes == 0 else 0
-        if "dataLocal" not in par and per_node and tensor <= per_node and per_node % tensor == 0:
-            par["dataLocal"] = per_node // tensor
-        elif "dataLocal" not in par:
-            par["dataLocal"] = 1
-        if "gpusPerNode" not in out and per_node:
-            out["gpusPerNode"] = per_node
-    placement = out.setdefault("placement", {})
-    if isinstance(placement, dict):
-        placement.setdefault("nodeSelector", {})
-        placement.setdefault("tolerations", [])
-    out.setdefault("socketDir", default_socket_dir(namespace, name))
-    engine = out.setdefault("engine", {})
-    if isinstance(engine, dict):
-        for key, value in DEFAULT_ENGINE.items():
-            engine.setdefault(key, value)
-    ports = out.setdefault("ports", {})
-    if isinstance(ports, dict):
-        rendezvous = _int(ports.get("rendezvous"), DEFAULT_PORTS["rendezvous"])
-        ports.setdefault("rendezvous", DEFAULT_PORTS["rendezvous"])
-        # vLLM's own default: the draft group listens one above the main rendezvous.
-        ports.setdefault("draftRendezvous", rendezvous + 1)
-        for key in ("health", "metrics", "grpc"):
-            ports.setdefault(key, DEFAULT_PORTS[key])
-    out.setdefault("resources", {})
-    run_as = out.setdefault("runAs", {})
-    if isinstance(run_as, dict):
-        for key, value in DEFAULT_RUN_AS.items():
-            run_as.setdefault(key, value)
-    return out
-
-
-def layout(spec: dict) -> Parallelism:
-    """The layout of a spec with defaults applied; call only when `validate` found nothing."""
-    par = spec["parallelism"]
-    tensor, data, nodes = par["tensor"], par["data"], par["nodes"]
-    world = tensor * data
-    per_node = world // nodes
-    gpus = spec.get("gpusPerNode", per_node)
-    replicas = gpus // per_node if not par.get("expert") and nodes == 1 else 1
-    return Parallelism(
-        tensor=tensor,
-        data=data,
-        data_local=par.get("dataLocal", 1),
-        expert=bool(par.get("expert")),
-        nodes=nodes,
-        gpus_per_node=gpus,
-        world_size=world,
-        per_node_world=per_node,
-        replicas_per_node=replicas,
-    )
-
-
 def name_problems(name: str) -> list[Problem]:
     """Problems of a cache's name: every derived object name must be a valid Service name."""
     problems = []
@@ -223,8 +106,8 @@ def name_problems(name: str) -> list[Problem]:
             Problem(
                 "metadata.name",
                 f"is {len(name)} characters; at most {MAX_NAME_LENGTH} are allowed so that "
-                f"{C.rendezvous_service_name(name)!r} fits the 63-character limit of a Service "
-                "name",
+                f"{constants.rendezvous_service_name(name)!r} fits the 63-character limit of a "
+                "Service name",
             )
         )
     if not NAME_RE.match(name):
@@ -239,38 +122,43 @@ def name_problems(name: str) -> list[Problem]:
     return problems
 
 
-def validate(spec: dict) -> list[Problem]:
-    """Semantic problems of a spec (defaults are applied first); empty when it can be placed."""
-    full = with_defaults(spec, "default", "cache")
+def validate(spec: WeightCacheSpec | Mapping[str, Any]) -> list[Problem]:
+    """Semantic problems of a spec; empty when it can be placed.
+
+    A mapping is parsed first (`WeightCacheSpec.from_spec`, defaults filled)."""
+    full = (
+        spec if isinstance(spec, WeightCacheSpec)
+        else WeightCacheSpec.from_spec(spec, "default", "cache")
+    )
     problems: list[Problem] = []
     problems += _check_runtime(full)
     problems += _check_model(full)
     problems += _check_layout(full)
-    problems += _check_ports(full.get("ports"))
-    problems += _check_socket_dir(full.get("socketDir"))
-    problems += _check_engine(full.get("engine"))
-    problems += _check_update_strategy(full.get("updateStrategy"), full.get("model"))
+    problems += _check_ports(full)
+    problems += _check_socket_dir(full.socket_dir)
+    problems += _check_engine(full)
+    problems += _check_update_strategy(full)
     return problems
 
 
-def _check_update_strategy(strategy: Any, model: Any) -> list[Problem]:
+def _check_update_strategy(spec: WeightCacheSpec) -> list[Problem]:
     problems = []
-    kind = strategy.get("type") if isinstance(strategy, dict) else strategy
+    kind = spec.malformed.get("updateStrategy", spec.update_strategy.type)
     if kind not in UPDATE_STRATEGIES:
         problems.append(Problem("spec.updateStrategy.type",
                                 f"must be one of {', '.join(UPDATE_STRATEGIES)}, not {kind!r}"))
-    revision = model.get("revision") if isinstance(model, dict) else None
+    revision = None if "model" in spec.malformed else spec.model.revision
     if revision is not None and (not isinstance(revision, str) or len(revision) > 256):
         problems.append(Problem("spec.model.revision", "must be a string of at most 256 chars"))
     return problems
 
 
-def _check_runtime(spec: dict) -> list[Problem]:
+def _check_runtime(spec: WeightCacheSpec) -> list[Problem]:
     problems = []
-    runtime = spec.get("runtime")
+    runtime = spec.runtime
     if runtime not in RUNTIMES:
         return [Problem("spec.runtime", f"must be one of {', '.join(RUNTIMES)}, not {runtime!r}")]
-    image = spec.get("image")
+    image = spec.image
     if runtime == "vllm":
         if not image:
             problems.append(
@@ -281,11 +169,11 @@ def _check_runtime(spec: dict) -> list[Problem]:
                     "must run the same image",
                 )
             )
-        if spec.get("device") not in (None, "cuda"):
+        if spec.device not in (None, "cuda"):
             problems.append(
                 Problem("spec.device", "runtime vllm runs on CUDA only; remove spec.device")
             )
-        if spec.get("shardRules"):
+        if spec.shard_rules:
             problems.append(
                 Problem(
                     "spec.shardRules",
@@ -295,12 +183,12 @@ def _check_runtime(spec: dict) -> list[Problem]:
             )
     if image:
         problems += _check_image(str(image), runtime)
-    if runtime == "native" and spec.get("device") not in DEVICES:
+    if runtime == "native" and spec.device not in DEVICES:
         problems.append(
-            Problem("spec.device", f"must be one of {', '.join(DEVICES)}, not {spec['device']!r}")
+            Problem("spec.device", f"must be one of {', '.join(DEVICES)}, not {spec.device!r}")
         )
-    par = spec.get("parallelism") or {}
-    if runtime == "native" and par.get("expert") and int(par.get("data") or 1) > 1:
+    par = spec.parallelism
+    if runtime == "native" and par.expert and int(par.data or 1) > 1:
         problems.append(
             Problem(
                 "spec.parallelism.expert",
@@ -309,7 +197,7 @@ def _check_runtime(spec: dict) -> list[Problem]:
                 "data > 1, or set expert: false",
             )
         )
-    for i, rule in enumerate(spec.get("shardRules") or []):
+    for i, rule in enumerate(spec.shard_rules or []):
         problems += _check_shard_rule(i, rule)
     return problems
 
@@ -350,12 +238,12 @@ def _check_shard_rule(index: int, rule: Any) -> list[Problem]:
     return []
 
 
-def _check_model(spec: dict) -> list[Problem]:
-    model = spec.get("model")
-    if not isinstance(model, dict):
+def _check_model(spec: WeightCacheSpec) -> list[Problem]:
+    if "model" in spec.malformed:
         return [Problem("spec.model", "set spec.model.path to the checkpoint directory")]
+    model = spec.model
     problems = []
-    path, mount = model.get("path"), model.get("mountPath")
+    path, mount = model.path, model.mount_path
     if not isinstance(mount, str) or not posixpath.isabs(mount):
         problems.append(
             Problem("spec.model.mountPath", f"must be an absolute path like /models, not {mount!r}")
@@ -380,20 +268,20 @@ def _check_model(spec: dict) -> list[Problem]:
                     f"under {mount} or change spec.model.mountPath",
                 )
             )
-    problems += _check_volume(model.get("volume"), spec)
-    if isinstance(mount, str) and isinstance(spec.get("socketDir"), str):
-        sock = posixpath.normpath(spec["socketDir"])
+    problems += _check_volume(model.volume, spec)
+    if isinstance(mount, str) and isinstance(spec.socket_dir, str):
+        sock = posixpath.normpath(spec.socket_dir)
         if _under(sock, posixpath.normpath(mount)) or _under(posixpath.normpath(mount), sock):
             problems.append(
                 Problem(
                     "spec.model.mountPath",
-                    f"{mount} overlaps the socket directory {spec['socketDir']}; keep them apart",
+                    f"{mount} overlaps the socket directory {spec.socket_dir}; keep them apart",
                 )
             )
     return problems
 
 
-def _check_volume(volume: Any, spec: dict) -> list[Problem]:
+def _check_volume(volume: Any, spec: WeightCacheSpec) -> list[Problem]:
     field = "spec.model.volume"
     if not isinstance(volume, dict):
         return [Problem(field, "must be one core/v1 volume source: {hostPath: {path: /models}}")]
@@ -440,7 +328,7 @@ def _check_volume(volume: Any, spec: dict) -> list[Problem]:
         problems.append(Problem(f"{field}.nfs", "set both server and path"))
     if kind == "image" and not body.get("reference"):
         problems.append(Problem(f"{field}.image.reference", "name the OCI image holding the model"))
-    nodes = _int((spec.get("parallelism") or {}).get("nodes"), 1)
+    nodes = 1 if "parallelism" in spec.malformed else _int(spec.parallelism.nodes, 1)
     if kind in SINGLE_NODE_VOLUMES and nodes > 1:
         problems.append(
             Problem(
@@ -452,21 +340,21 @@ def _check_volume(volume: Any, spec: dict) -> list[Problem]:
     return problems
 
 
-def _check_layout(spec: dict) -> list[Problem]:
-    par = spec.get("parallelism")
-    if not isinstance(par, dict):
+def _check_layout(spec: WeightCacheSpec) -> list[Problem]:
+    if "parallelism" in spec.malformed:
         return [Problem("spec.parallelism", "must be an object")]
+    par: Parallelism = spec.parallelism
     problems = []
     values = {}
-    for key in ("tensor", "data", "nodes", "dataLocal"):
-        value = par.get(key)
+    for key, value in (("tensor", par.tensor), ("data", par.data), ("nodes", par.nodes),
+                       ("dataLocal", par.data_local)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(
                 Problem(f"spec.parallelism.{key}", f"must be an integer >= 1: {value!r}")
             )
         values[key] = value
     pipeline = []
-    if par.get("pipeline") not in (None, 1):
+    if par.pipeline_problem():
         pipeline.append(
             Problem(
                 "spec.parallelism.pipeline",
@@ -474,7 +362,7 @@ def _check_layout(spec: dict) -> list[Problem]:
                 "(or set 1) and use tensor, data or expert parallelism",
             )
         )
-    gpus = spec.get("gpusPerNode")
+    gpus = spec.gpus_per_node
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         problems.append(Problem("spec.gpusPerNode", f"must be an integer >= 1, not {gpus!r}"))
         gpus = None
@@ -531,7 +419,7 @@ def _check_layout(spec: dict) -> list[Problem]:
                 )
             )
         elif gpus > per_node:
-            if par.get("expert"):
+            if par.expert:
                 problems.append(
                     Problem(
                         "spec.gpusPerNode",
@@ -559,13 +447,12 @@ def _check_layout(spec: dict) -> list[Problem]:
     return problems + pipeline
 
 
-def _check_ports(ports: Any) -> list[Problem]:
-    if not isinstance(ports, dict):
+def _check_ports(spec: WeightCacheSpec) -> list[Problem]:
+    if "ports" in spec.malformed:
         return [Problem("spec.ports", "must be an object")]
     problems = []
     seen: dict[int, str] = {}
-    for key in ("rendezvous", "draftRendezvous", "health", "metrics", "grpc"):
-        port = ports.get(key)
+    for key, port in spec.ports.by_name().items():
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             problems.append(Problem(f"spec.ports.{key}", f"must be a port 1-65535, not {port!r}"))
             continue
@@ -601,21 +488,26 @@ def _check_socket_dir(socket_dir: Any) -> list[Problem]:
     return []
 
 
-def _check_engine(engine: Any) -> list[Problem]:
-    if not isinstance(engine, dict):
+def _check_engine(spec: WeightCacheSpec) -> list[Problem]:
+    if "engine" in spec.malformed:
         return [Problem("spec.engine", "must be an object")]
+    engine: Engine = spec.engine
     problems = []
-    if engine.get("mode") not in MODES:
+    if engine.mode not in MODES:
         problems.append(
-            Problem(
-                "spec.engine.mode", f"must be one of {', '.join(MODES)}: {engine.get('mode')!r}"
-            )
+            Problem("spec.engine.mode", f"must be one of {', '.join(MODES)}: {engine.mode!r}")
         )
-    for key in ("connectTimeoutSeconds", "stateTimeoutSeconds"):
-        value = engine.get(key)
+    for key, value in (("connectTimeoutSeconds", engine.connect_timeout_seconds),
+                       ("stateTimeoutSeconds", engine.state_timeout_seconds)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             problems.append(Problem(f"spec.engine.{key}", f"must be a positive number: {value!r}"))
     return problems
+
+
+def _int(value: Any, default: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return default
+    return value
 
 
 def _under(path: str, root: str) -> bool:

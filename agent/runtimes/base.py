@@ -94,7 +94,7 @@ class Runtime(ABC):
 
     def served_model(self) -> str:
         """The checkpoint the child serves: the plan's, or the last in-place update's."""
-        return str(self._model_override or self.cfg.spec["model"]["path"])
+        return str(self._model_override or self.cfg.spec.model.path)
 
     def serve_model(self, path: str) -> None:
         """After an in-place update: launch the child on `path` from now on."""

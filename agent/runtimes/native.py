@@ -23,43 +23,32 @@ from typing import Any
 
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, http_json, socket_is_ours
-from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
 from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
 from weightcache.native import protocol
 from weightcache.native.identity import socket_path as native_socket_path
 from weightcache.native.lifetime import python_module
 
 
-def parallel_flags(cfg: AgentConfig) -> ParallelFlags:
-    """The launcher's parallel flags for this node, from the plan.
+def node_layout(cfg: AgentConfig) -> Layout:
+    """The launcher's layout for this node, from the plan.
 
     With data parallelism the DP placement flags are passed as well (the plan's `dataLocal`
     and this node's first DP rank), so the launcher cross-checks them against `--nnodes`.
+    Expert parallelism is left out: native shards follow tensor-parallel rules only, so the
+    launcher has no use for the flag.
     """
     lay = cfg.plan.layout
     multi = cfg.multi_node
     dp = lay.data > 1
-    return ParallelFlags(
-        tensor_parallel_size=lay.tensor,
-        data_parallel_size=lay.data,
-        nnodes=cfg.node_count if multi else 1,
+    return Layout(
+        tensor=lay.tensor,
+        data=lay.data,
+        nodes=cfg.node_count if multi else 1,
         node_rank=cfg.node_rank if multi else 0,
-        data_parallel_size_local=lay.data_local if dp else None,
-        data_parallel_start_rank=cfg.plan.data_start_rank(cfg.node_rank) if dp else None,
+        data_local=lay.data_local if dp else None,
+        data_start=cfg.plan.data_start_rank(cfg.node_rank) if dp else None,
     )
-
-
-def parallel_args(flags: ParallelFlags) -> list[str]:
-    out = ["--tensor-parallel-size", str(flags.tensor_parallel_size)]
-    if flags.data_parallel_size > 1:
-        out += ["--data-parallel-size", str(flags.data_parallel_size)]
-    if flags.data_parallel_size_local is not None:
-        out += ["--data-parallel-size-local", str(flags.data_parallel_size_local)]
-    if flags.data_parallel_start_rank is not None:
-        out += ["--data-parallel-start-rank", str(flags.data_parallel_start_rank)]
-    if flags.nnodes > 1:
-        out += ["--nnodes", str(flags.nnodes), "--node-rank", str(flags.node_rank)]
-    return out
 
 
 class NativeRuntime(Runtime):
@@ -73,17 +62,17 @@ class NativeRuntime(Runtime):
                 "runtime native: expert parallelism across data-parallel ranks is not "
                 f"supported (layout.expert with data={lay.data}); native shards follow "
                 "tensor-parallel shard rules only, so use runtime vllm or data=1")
-        self.flags = parallel_flags(cfg)
+        self.layout = node_layout(cfg)
         try:
-            self.placements: list[LocalRank] = plan_local_ranks(self.flags)
+            self.placements: list[LocalRank] = self.layout.local_ranks()
         except RankLayoutError as exc:
             raise ConfigError(f"runtime native: the plan's layout cannot be served: {exc}") \
                 from None
         if len(self.placements) != cfg.local_world_size:
             raise ConfigError(
-                f"runtime native: {self.flags.describe()} serves {len(self.placements)} local "
+                f"runtime native: {self.layout.describe()} serves {len(self.placements)} local "
                 f"ranks but the plan gives this node {cfg.local_world_size}")
-        if (cfg.spec.get("engineArgs") or {}).get("speculativeConfig"):
+        if cfg.spec.engine_args.speculative_config:
             raise ConfigError("runtime native: speculative drafts are not cached; remove "
                               "engineArgs.speculativeConfig or use runtime vllm")
 
@@ -91,17 +80,17 @@ class NativeRuntime(Runtime):
         cfg, spec = self.cfg, self.cfg.spec
         argv = [*python_module("weightcache.cli"), "preload",
                 "--model", self.served_model(),
-                *parallel_args(self.flags),
+                *self.layout.to_args(),
                 "--exit-with-parent",
                 "--weight-cache-socket-dir", cfg.socket_dir,
                 "--weight-cache-health-host", "127.0.0.1",
                 "--weight-cache-health-port", str(cfg.ports["health"]),
                 "--device", cfg.device_kind]
-        dtype = (spec.get("engineArgs") or {}).get("dtype") or "auto"
+        dtype = spec.engine_args.effective_dtype
         if dtype not in DTYPES:
             raise ConfigError(f"runtime native: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         argv += ["--dtype", dtype]
-        rules = spec.get("shardRules")
+        rules = spec.shard_rules
         if rules is not None:
             if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
                 raise ConfigError("spec.shardRules must be a list of 'REGEX=DIM' strings")

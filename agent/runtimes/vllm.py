@@ -31,6 +31,7 @@ from typing import Any
 from weightcache.agent import vllm_probe
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
+from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.contracts.vocabulary import ROLE_DRAFT, ROLE_TARGET
 
 # Flags the agent derives from the plan; an extraArgs entry naming one is a conflict.
@@ -114,26 +115,26 @@ def _flag_name(arg: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def engine_args(spec: dict[str, Any]) -> list[str]:
+def engine_args(spec: WeightCacheSpec) -> list[str]:
     """Pass-through engine arguments that also enter the daemons' fingerprint."""
-    ea = spec.get("engineArgs") or {}
+    ea = spec.engine_args
     out: list[str] = []
-    if ea.get("dtype"):
-        out += ["--dtype", str(ea["dtype"])]
-    if ea.get("quantization"):
-        out += ["--quantization", str(ea["quantization"])]
-    if ea.get("revision"):
-        out += ["--revision", str(ea["revision"])]
-    if ea.get("maxModelLen"):
-        out += ["--max-model-len", str(int(ea["maxModelLen"]))]
-    if ea.get("speculativeConfig"):
+    if ea.dtype:
+        out += ["--dtype", str(ea.dtype)]
+    if ea.quantization:
+        out += ["--quantization", str(ea.quantization)]
+    if ea.revision:
+        out += ["--revision", str(ea.revision)]
+    if ea.max_model_len:
+        out += ["--max-model-len", str(int(ea.max_model_len))]
+    if ea.speculative_config:
         out += ["--speculative-config",
-                json.dumps(ea["speculativeConfig"], sort_keys=True, separators=(",", ":"))]
+                json.dumps(ea.speculative_config, sort_keys=True, separators=(",", ":"))]
     return out
 
 
-def extra_args(spec: dict[str, Any]) -> list[str]:
-    extra = (spec.get("engineArgs") or {}).get("extraArgs") or []
+def extra_args(spec: WeightCacheSpec) -> list[str]:
+    extra = spec.engine_args.extra_args or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise ConfigError("spec.engineArgs.extraArgs must be a list of strings")
     clash = sorted({_flag_name(a) for a in extra if _flag_name(a) in OWNED_FLAGS})
@@ -180,13 +181,13 @@ class VllmRuntime(Runtime):
     def __init__(self, cfg: AgentConfig) -> None:
         super().__init__(cfg)
         self.binary = os.environ.get("WEIGHTCACHE_VLLM_BIN", "vllm")
-        self.spec_config = (cfg.spec.get("engineArgs") or {}).get("speculativeConfig")
+        self.spec_config = cfg.spec.engine_args.speculative_config
         self.has_draft = draft_is_cached(self.spec_config)
 
     def command(self) -> list[str]:
         cfg, ports = self.cfg, self.cfg.ports
         exe = shutil.which(self.binary) or self.binary
-        argv = [exe, "preload", "--model", cfg.spec["model"]["path"]]
+        argv = [exe, "preload", "--model", str(cfg.spec.model.path)]
         argv += engine_args(cfg.spec)
         argv += parallel_args(cfg)
         argv += ["--weight-cache-master-port", str(ports["rendezvous"])]

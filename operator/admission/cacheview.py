@@ -1,17 +1,21 @@
-"""The parts of a WeightCache that injection reads, with the schema's defaults applied."""
+"""The parts of a WeightCache that injection reads: a thin view of the typed spec.
+
+Every default comes from `weightcache.api.v1alpha1`; the view only flattens the fields the
+webhook compares and injects, coerced the way an engine pod's environment needs them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache import constants as C
-from weightcache.operator.spec import DEFAULT_ENGINE, DEFAULT_RUN_AS
+from weightcache.api.v1alpha1 import WeightCacheSpec
 
 
 @dataclass(frozen=True)
 class CacheView:
-    """The parts of a WeightCache that injection reads, with the schema's defaults applied."""
+    """The parts of a WeightCache that injection reads, with the API's defaults applied."""
 
     name: str
     namespace: str
@@ -34,31 +38,28 @@ class CacheView:
     extra_args: tuple[str, ...] = ()
 
     @classmethod
-    def from_object(cls, obj: dict[str, Any]) -> CacheView:
+    def from_object(cls, obj: Mapping[str, Any]) -> CacheView:
         meta = obj.get("metadata") or {}
-        spec = obj.get("spec") or {}
-        name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-        engine = {**DEFAULT_ENGINE, **(spec.get("engine") or {})}
-        run_as = {**DEFAULT_RUN_AS, **(spec.get("runAs") or {})}
-        engine_args = spec.get("engineArgs") or {}
+        spec = WeightCacheSpec.from_object(obj)
+        engine, run_as, args = spec.engine, spec.run_as, spec.engine_args
         return cls(
-            name=name,
-            namespace=namespace,
-            runtime=spec.get("runtime") or "native",
-            image=spec.get("image") or None,
-            socket_dir=spec.get("socketDir") or C.default_socket_dir(namespace, name),
-            mode=str(engine["mode"]),
-            fallback=bool(engine["fallback"]),
-            connect_timeout=float(engine["connectTimeoutSeconds"]),
-            state_timeout=float(engine["stateTimeoutSeconds"]),
-            uid=int(run_as["uid"]),
-            gid=int(run_as["gid"]),
-            model_path=(spec.get("model") or {}).get("path"),
-            tensor=int((spec.get("parallelism") or {}).get("tensor") or 1),
-            dtype=str(engine_args.get("dtype") or "auto"),
+            name=meta.get("name", ""),
+            namespace=meta.get("namespace", "default"),
+            runtime=spec.runtime or "native",
+            image=spec.image or None,
+            socket_dir=str(spec.socket_dir),
+            mode=str(engine.mode),
+            fallback=bool(engine.fallback),
+            connect_timeout=float(engine.connect_timeout_seconds),
+            state_timeout=float(engine.state_timeout_seconds),
+            uid=int(run_as.uid),
+            gid=int(run_as.gid),
+            model_path=spec.model.path,
+            tensor=int(spec.parallelism.tensor or 1),
+            dtype=args.effective_dtype,
             phase=(obj.get("status") or {}).get("phase"),
-            quantization=engine_args.get("quantization") or None,
-            revision=engine_args.get("revision") or None,
-            expert=bool((spec.get("parallelism") or {}).get("expert")),
-            extra_args=tuple(str(a) for a in engine_args.get("extraArgs") or ()),
+            quantization=args.quantization or None,
+            revision=args.revision or None,
+            expert=bool(spec.parallelism.expert),
+            extra_args=tuple(str(a) for a in args.extra_args or ()),
         )

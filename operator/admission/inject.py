@@ -29,6 +29,7 @@ import jsonpatch
 
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, READY_VALUE
+from weightcache.errors import ProjectError
 from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
 from weightcache.operator.admission.alignment import inject_alignment
 from weightcache.operator.admission.cacheview import CacheView
@@ -80,7 +81,7 @@ ISOLATION: dict[str, Isolation] = {
 }
 
 
-class Denied(Exception):
+class Denied(ProjectError):
     """The pod cannot work with the cache as written; the message says what to change."""
 
 

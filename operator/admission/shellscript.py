@@ -26,6 +26,8 @@ import bashlex
 import bashlex.ast
 import bashlex.errors
 
+from weightcache.errors import ProjectError
+
 SHELLS = frozenset({"sh", "bash", "ash", "dash", "zsh", "ksh"})
 VLLM_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
 PREFIX_COMMANDS = frozenset({"exec", "nohup", "env", "command", "time"})
@@ -36,7 +38,7 @@ CACHED_SCRIPT_CHARS = 8192  # longer scripts are parsed every time (bounds the c
 _QUOTED_HEREDOC = re.compile(r"(<<-?)(['\"])(\w+)\2")
 
 
-class Unclear(Exception):
+class Unclear(ProjectError):
     """The script may run vLLM in a way this parser cannot rewrite safely."""
 
 

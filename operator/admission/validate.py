@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.operator import spec as specs
 from weightcache.operator.spec import Problem
 
@@ -30,7 +31,8 @@ IMMUTABLE: dict[str, str] = {
 
 
 def _effective(spec: dict[str, Any], namespace: str, name: str) -> dict[str, Any]:
-    return specs.with_defaults(spec or {}, namespace, name)
+    """The spec document with the API's defaults (a default counts as the value)."""
+    return WeightCacheSpec.from_spec(spec or {}, namespace, name).to_dict()
 
 
 def immutable_problems(

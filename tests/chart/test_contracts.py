@@ -95,16 +95,16 @@ def test_webhook_service_and_secret_names_match_the_operator(default_docs):
 
 
 def _agent_daemonset(**spec_extra):
+    from weightcache.api.v1alpha1 import WeightCacheSpec
     from weightcache.operator import resources
-    from weightcache.operator import spec as cache_spec
 
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
     model = {"path": "/models/m", "volume": {"hostPath": {"path": "/m"}}}
-    spec = cache_spec.with_defaults(
+    spec = WeightCacheSpec.from_spec(
         {"runtime": "native", "device": "cpu", "model": model, **spec_extra}, "ns", "c"
     )
     return resources.daemonset(
-        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        cache, spec, resources.plan(cache, spec, ["n1"], 1), ["n1"],
         resources.AgentOptions())
 
 

@@ -40,11 +40,12 @@ def test_manifests_are_valid(name):
 
 
 def test_cache_passes_operator_validation_and_matches_the_kind_mount():
+    from weightcache.api.v1alpha1 import with_defaults
     from weightcache.operator import spec as cache_spec
 
     (cache,) = _docs("cache.yaml")
     meta = cache["metadata"]
-    spec = cache_spec.with_defaults(cache["spec"], meta["namespace"], meta["name"])
+    spec = with_defaults(cache["spec"], meta["namespace"], meta["name"])
     assert cache_spec.validate(spec) == []
     kind = yaml.safe_load((E2E / "kind.yaml").read_text())
     host_path = cache["spec"]["model"]["volume"]["hostPath"]["path"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tests.chart import chart
 from tests.chart.conftest import rendered
+from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
 from weightcache.operator import main as operator_main
-from weightcache.operator import resources as R
-from weightcache.operator.spec import layout, with_defaults
+from weightcache.operator import resources
 
 
 def _policy_namespaces(docs) -> list[str]:
@@ -60,8 +60,8 @@ def test_agents_get_requests_and_a_priority_class_by_default(default_docs):
     # What the operator then writes into the agent DaemonSet:
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
     spec = with_defaults({"runtime": "native", "model": {"path": "/models/m"}}, "ns", "c")
-    doc = R.plan(cache, spec, layout(spec), ["n1"], epoch=1)
-    pod = R.daemonset(cache, spec, doc, ["n1"], options)["spec"]["template"]["spec"]
+    doc = resources.plan(cache, WeightCacheSpec.from_spec(spec, "ns", "c"), ["n1"], epoch=1)
+    pod = resources.daemonset(cache, doc.spec, doc, ["n1"], options)["spec"]["template"]["spec"]
     assert pod["priorityClassName"] == "weightcache-agent"
     assert pod["containers"][0]["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
 

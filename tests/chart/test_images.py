@@ -138,16 +138,16 @@ def test_native_agent_puts_the_venv_python_first():
 
 
 def test_agent_daemonset_command_runs_in_these_images():
+    from weightcache.api.v1alpha1 import WeightCacheSpec
     from weightcache.operator import resources
-    from weightcache.operator import spec as cache_spec
 
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
     model = {"path": "/models/m", "volume": {"hostPath": {"path": "/m"}}}
-    spec = cache_spec.with_defaults(
+    spec = WeightCacheSpec.from_spec(
         {"runtime": "native", "device": "cpu", "model": model}, "ns", "c"
     )
     ds = resources.daemonset(
-        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        cache, spec, resources.plan(cache, spec, ["n1"], 1), ["n1"],
         resources.AgentOptions())
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["command"][:3] == ["python3", "-m", "weightcache.cli"]

@@ -101,9 +101,9 @@ def test_agents_get_no_api_access(default_docs):
         for subject in binding["subjects"]:
             assert "agent" not in subject["name"]
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
-    from weightcache.operator import spec as cache_spec
+    from weightcache.api.v1alpha1 import WeightCacheSpec
 
-    spec = cache_spec.with_defaults(
+    spec = WeightCacheSpec.from_spec(
         {
             "runtime": "native",
             "device": "cpu",
@@ -113,7 +113,7 @@ def test_agents_get_no_api_access(default_docs):
         "c",
     )
     ds = resources.daemonset(
-        cache, spec, resources.plan(cache, spec, cache_spec.layout(spec), ["n1"], 1), ["n1"],
+        cache, spec, resources.plan(cache, spec, ["n1"], 1), ["n1"],
         resources.AgentOptions())
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 

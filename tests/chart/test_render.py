@@ -250,6 +250,7 @@ def test_example_caches_render_as_valid_weightcaches():
     "path", sorted((chart.CHART / "examples").glob("*.yaml")), ids=lambda p: Path(p).name
 )
 def test_examples_pass_schema_and_operator_validation(path):
+    from weightcache.api.v1alpha1 import with_defaults
     from weightcache.operator import spec as cache_spec
 
     doc = yaml.safe_load(path.read_text())
@@ -268,7 +269,7 @@ def test_examples_pass_schema_and_operator_validation(path):
     for item in items:
         assert chart.validate(item) == "crd"
         meta = item["metadata"]
-        spec = cache_spec.with_defaults(item["spec"], meta["namespace"], meta["name"])
+        spec = with_defaults(item["spec"], meta["namespace"], meta["name"])
         assert cache_spec.validate(spec) == []
 
 

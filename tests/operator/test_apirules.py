@@ -16,22 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
-from weightcache import constants as C
-from weightcache.operator import crd, events, podsecurity
-from weightcache.operator import resources as R
-from weightcache.operator import status as S
+from weightcache import constants
+from weightcache.api.v1alpha1 import MAX_GPUS_PER_NODE, MAX_NODES, WeightCacheSpec, with_defaults
+from weightcache.operator import crd, events, podsecurity, resources
+from weightcache.operator import status as cache_status
 from weightcache.operator.kube import ApiError, Kube
-from weightcache.operator.placement import ranks_per_node
-from weightcache.operator.spec import (
-    MAX_GPUS_PER_NODE,
-    MAX_NAME_LENGTH,
-    MAX_NODES,
-    Problem,
-    layout,
-    name_problems,
-    validate,
-    with_defaults,
-)
+from weightcache.operator.spec import MAX_NAME_LENGTH, Problem, name_problems, validate
 from weightcache.testing import apirules
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "charts" / "weightcache" / "examples"
@@ -47,7 +37,7 @@ def example_caches() -> list[tuple[str, str, str, dict]]:
         for doc in yaml.safe_load_all(path.read_text()):
             if not doc:
                 continue
-            if doc.get("kind") == C.KIND:
+            if doc.get("kind") == constants.KIND:
                 meta = doc["metadata"]
                 found.append(
                     (path.stem, meta.get("namespace", "default"), meta["name"], doc["spec"])
@@ -139,31 +129,36 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
     cache = {"metadata": {"name": name, "namespace": namespace, "uid": "6b1f3c52-0c1e-4f0e"}}
     spec = with_defaults(copy.deepcopy(raw), namespace, name)
     assert name_problems(name) + validate(spec) == [], "not a spec the schema and webhook admit"
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
     nodes = nodes[: lay.nodes]
-    doc = R.plan(cache, spec, lay, nodes, epoch=7)
-    options = R.AgentOptions(runtime_class="nvidia", service_account="agent", priority_class="pc")
+    doc = resources.plan(cache, typed, nodes, epoch=7)
+    options = resources.AgentOptions(
+        runtime_class="nvidia", service_account="agent", priority_class="pc"
+    )
     objs = [
-        R.configmap(cache, doc),
-        R.service(cache, spec),
-        R.daemonset(cache, spec, doc, nodes, options),
+        resources.configmap(cache, doc),
+        resources.service(cache, WeightCacheSpec.from_spec(spec, "ns", "c")),
+        resources.daemonset(cache, doc.spec, doc, nodes, options),
     ]
     states = [
-        S.NodeState(node=n, rank=i, ranks_total=ranks_per_node(lay)) for i, n in enumerate(nodes)
+        cache_status.NodeState(node=n, rank=i, ranks_total=typed.launched_layout().ranks_per_node)
+        for i, n in enumerate(nodes)
     ]
     server_message = "x" * 40000  # an API server message longer than a condition takes
     statuses = [
-        S.observed({}, nodes=states, pods_seen=0, epoch=7, generation=3),
-        S.failed({}, reason="ApplyRejected", message=server_message, generation=3),
-        S.failed({}, reason="PodSecurity", message=podsecurity.blocked_message(
+        cache_status.observed({}, nodes=states, pods_seen=0, epoch=7, generation=3),
+        cache_status.failed({}, reason="ApplyRejected", message=server_message, generation=3),
+        cache_status.failed({}, reason="PodSecurity", message=podsecurity.blocked_message(
             namespace, "baseline", spec["runtime"]), generation=3, nodes=states, epoch=7),
-        S.unschedulable({}, need=lay.nodes, eligible=0, reasons={"NotReady": 3}, generation=3),
-        S.invalid({}, [Problem("spec.x", "y" * 100)], generation=3),
+        cache_status.unschedulable({}, need=lay.nodes, eligible=0, reasons={"NotReady": 3},
+                                   generation=3),
+        cache_status.invalid({}, [Problem("spec.x", "y" * 100)], generation=3),
     ]  # fmt: skip
     for status in statuses:
         status["podSecurity"] = "baseline"
-        objs.append({"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": cache["metadata"],
-                     "spec": raw, "status": status})  # fmt: skip
+        objs.append({"apiVersion": constants.API_VERSION, "kind": constants.KIND,
+                     "metadata": cache["metadata"], "spec": raw, "status": status})  # fmt: skip
     for reason in ("Placed", "ApplyRejected", "PodSecurity"):
         objs.append(
             events.event_body(
@@ -175,11 +170,11 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
             )
         )
     for rank, node in enumerate(nodes[:2]):
-        labels = {C.node_ready_label(namespace, name): "ready"}
+        labels = {constants.node_ready_label(namespace, name): "ready"}
         objs.append(
             {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
         )
-        pod_labels = {**R.labels(name), C.LABEL_NODE_RANK: str(rank)}
+        pod_labels = {**resources.labels(name), constants.LABEL_NODE_RANK: str(rank)}
         template = objs[2]["spec"]["template"]
         objs.append(
             {
@@ -237,8 +232,8 @@ def _ds(nodes: list[str]) -> dict:
     spec = with_defaults(
         {"runtime": "native", "model": {"path": "/m"}, "parallelism": {"tensor": 16, "nodes": 2},
          "gpusPerNode": 8}, "ml", "llama")  # fmt: skip
-    doc = R.plan(cache, spec, layout(spec), nodes, epoch=1)
-    return R.daemonset(cache, spec, doc, nodes, R.AgentOptions())
+    doc = resources.plan(cache, WeightCacheSpec.from_spec(spec, "ns", "c"), nodes, epoch=1)
+    return resources.daemonset(cache, doc.spec, doc, nodes, resources.AgentOptions())
 
 
 def test_item1_several_nodes_in_one_match_fields_requirement_are_rejected():
@@ -295,14 +290,14 @@ def test_item3_names_the_schema_admits_give_valid_derived_names():
 )
 def test_item4_conditions_follow_metav1_condition(condition, ok):
     base = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-12-01T00:00:00Z"}
-    cache = {"apiVersion": C.API_VERSION, "kind": C.KIND,
+    cache = {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
              "metadata": {"name": "llama", "namespace": "ml"},
              "status": {"conditions": [{**base, **condition}]}}  # fmt: skip
     assert ("condition" not in _rules(cache)) is ok
 
 
 def test_item4_status_fields_the_schema_lacks_are_reported_as_pruned():
-    cache = {"apiVersion": C.API_VERSION, "kind": C.KIND,
+    cache = {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
              "metadata": {"name": "llama", "namespace": "ml"},
              "status": {"nodes": [{"node": "n", "restarts": 1, "unknown": 2}]}}  # fmt: skip
     pruned = [v.field for v in apirules.check(cache, crd_schema=WC_SCHEMA)]
@@ -310,7 +305,7 @@ def test_item4_status_fields_the_schema_lacks_are_reported_as_pruned():
 
 
 def test_events_live_in_their_objects_namespace():
-    event = events.event_body({"name": "llama", "namespace": "ml", "kind": C.KIND},
+    event = events.event_body({"name": "llama", "namespace": "ml", "kind": constants.KIND},
                               type_="Normal", reason="R", message="m", component="c")  # fmt: skip
     assert _rules(event) == set()
     event["metadata"]["namespace"] = "other"
@@ -364,8 +359,9 @@ def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():
     cache = {"metadata": {"name": "v", "namespace": "ml", "uid": "u"}}
     spec = with_defaults({"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
                           "model": {"path": "/m"}}, "ml", "v")  # fmt: skip
-    doc = R.plan(cache, spec, layout(spec), ["n1"], epoch=1)
-    vllm = R.daemonset(cache, spec, doc, ["n1"], R.AgentOptions())["spec"]["template"]["spec"]
+    doc = resources.plan(cache, WeightCacheSpec.from_spec(spec, "ns", "c"), ["n1"], epoch=1)
+    ds = resources.daemonset(cache, doc.spec, doc, ["n1"], resources.AgentOptions())
+    vllm = ds["spec"]["template"]["spec"]
     found = apirules.pod_security_violations(vllm, "baseline")
     assert "hostPID=true" in found and "hostIPC=true" in found
     assert any("hostPath" in f for f in found)
@@ -393,3 +389,27 @@ async def test_the_kmock_guard_answers_422_like_the_api_server(cluster, api_guar
         await kube.close()
     assert len(api_guard.violations) == 1
     api_guard.violations.clear()  # the rejection was the point of this test
+
+
+def test_crd_defaults_validate_against_their_own_schema():
+    """Rule crd.defaults: the server refuses a CRD whose default fails its schema."""
+    assert apirules.default_violations(WC_SCHEMA) == []
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "default": 0}}}
+    assert [v.field for v in apirules.default_violations(bad)] == ["n"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        *[spec for _id, _ns, _name, spec in example_caches()],
+        {"runtime": "native", "model": {"path": "/models/m"}, "ports": {"grpc": 9000}},
+        {"runtime": "native", "model": {"path": "/models/m"}, "engineArgs": {},
+         "parallelism": {"data": 2}, "engine": {}, "runAs": {}},
+    ],
+)
+def test_server_defaults_agree_with_the_typed_api(raw):
+    """What the API server stores (its defaults applied where the parent is present) parses to
+    the same spec document as what the user wrote: the schema's defaults are the API's."""
+    stored = apirules.apply_defaults(raw, WC_SCHEMA["properties"]["spec"])
+    typed = WeightCacheSpec.from_spec(stored, "ns", "c").to_dict()
+    assert typed == WeightCacheSpec.from_spec(raw, "ns", "c").to_dict()

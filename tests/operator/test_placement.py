@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
 from weightcache.contracts.plan import Plan
-from weightcache.operator import resources as R
+from weightcache.operator import resources
 from weightcache.operator.placement import NodeInfo, ineligible_reason, place
 from weightcache.operator.resources import plan
-from weightcache.operator.spec import layout, validate, with_defaults
+from weightcache.operator.spec import validate
 from weightcache.testing import apirules
 
 
@@ -30,9 +31,10 @@ def _spec(**par) -> dict:
 
 def _plan(spec: dict) -> Plan:
     """The plan as an agent reads it from the ConfigMap the operator writes."""
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
-    written = plan(cache, spec, lay, [f"n{i}" for i in range(lay.nodes)], 1)
+    written = plan(cache, typed, [f"n{i}" for i in range(lay.nodes)], 1)
     return Plan.from_json(written.to_json())
 
 
@@ -43,8 +45,9 @@ def _vllm_global(node_rank: int, local: int, per_node: int) -> int:
 
 def test_tp16_over_two_nodes():
     spec = _spec(tensor=16, nodes=2)
-    lay = layout(spec)
-    assert (lay.per_node_world, lay.gpus_per_node, lay.replicas_per_node) == (8, 8, 1)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
+    assert (lay.ranks_per_node, typed.gpus, lay.replicas_per_node(typed.gpus)) == (8, 8, 1)
     for node_rank in range(2):
         slots = _plan(spec).local_ranks(node_rank)
         assert [s.global_rank for s in slots] == [_vllm_global(node_rank, i, 8) for i in range(8)]
@@ -56,8 +59,9 @@ def test_tp16_over_two_nodes():
 
 def test_tp1_dp16_expert_over_four_nodes_of_four():
     spec = _spec(tensor=1, data=16, expert=True, nodes=4)
-    lay = layout(spec)
-    assert (lay.per_node_world, lay.data_local, lay.gpus_per_node) == (4, 4, 4)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
+    assert (lay.ranks_per_node, lay.data_local, typed.gpus) == (4, 4, 4)
     assert lay.expert and lay.world_size == 16
     for node_rank in range(4):
         start = _plan(spec).data_start_rank(node_rank)
@@ -71,8 +75,9 @@ def test_tp1_dp16_expert_over_four_nodes_of_four():
 
 def test_tp8_dp2_over_four_nodes():
     spec = _spec(tensor=8, data=2, nodes=4)
-    lay = layout(spec)
-    assert (lay.per_node_world, lay.gpus_per_node) == (4, 4)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
+    assert (lay.ranks_per_node, typed.gpus) == (4, 4)
     table = {r: _plan(spec).local_ranks(r) for r in range(4)}
     # Each TP group of 8 spans two nodes; DP rank 0 lives on nodes 0-1, DP rank 1 on 2-3.
     assert [s.dp_rank for s in table[0] + table[1]] == [0] * 8
@@ -96,8 +101,9 @@ def test_tp4_dp2_single_node_matches_dp_placement():
 
 def test_dense_tp_smaller_than_node_fills_it_with_replicas():
     spec = _spec(tensor=2, gpusPerNode=8)
-    lay = layout(spec)
-    assert lay.replicas_per_node == 4
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    lay = typed.layout()
+    assert lay.replicas_per_node(typed.gpus) == 4
     slots = _plan(spec).local_ranks(0)
     # Every replica is a complete TP2 group, so an engine given any GPU pair finds its shard.
     assert [s.tp_rank for s in slots] == [0, 1] * 4
@@ -133,22 +139,22 @@ def _nodes(*names: str, gpus: int = 8, **kw) -> list[NodeInfo]:
 
 def test_ranks_are_stable_across_unrelated_churn():
     spec = _spec(tensor=16, nodes=2)
-    lay = layout(spec)
-    first = place([], _nodes("n-c", "n-a", "n-b"), spec, lay)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    first = place([], _nodes("n-c", "n-a", "n-b"), typed)
     assert first.nodes == ("n-a", "n-b")
     # New nodes that sort first join, one unrelated node leaves: the ranks stay.
-    second = place(list(first.nodes), _nodes("a-new", "n-a", "n-b", "0-new"), spec, lay)
+    second = place(list(first.nodes), _nodes("a-new", "n-a", "n-b", "0-new"), typed)
     assert second.nodes == ("n-a", "n-b") and not second.replaced
     # A placed node goes NotReady: its rank goes to a spare, the survivor keeps its rank.
     nodes = [*_nodes("a-new", "n-b"), NodeInfo("n-a", gpus=8, ready=False)]
-    third = place(list(first.nodes), nodes, spec, lay)
+    third = place(list(first.nodes), nodes, typed)
     assert third.nodes == ("a-new", "n-b") and third.replaced == ("n-a",)
 
 
 def test_not_enough_nodes_counts_reasons():
     spec = _spec(tensor=8, data=2, nodes=4)
     spec["placement"]["nodeSelector"] = {"pool": "gpu"}
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
     nodes = [
         NodeInfo("a", labels={"pool": "gpu"}, gpus=4),
         NodeInfo("b", labels={"pool": "gpu"}, gpus=2),
@@ -161,7 +167,7 @@ def test_not_enough_nodes_counts_reasons():
             taints=({"key": "dedicated", "value": "x", "effect": "NoSchedule"},),
         ),
     ]
-    result = place([], nodes, spec, lay)
+    result = place([], nodes, typed)
     assert not result.schedulable and result.eligible == 1
     assert result.reasons == {
         "NotEnoughGPUs": 1,
@@ -183,7 +189,7 @@ def test_tolerations_affinity_and_gpu_sources():
             }
         }
     }
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
     node = NodeInfo.from_node(
         {
             "metadata": {"name": "g", "labels": {"zone": "z1", "nvidia.com/gpu.count": "2"}},
@@ -192,7 +198,7 @@ def test_tolerations_affinity_and_gpu_sources():
         }
     )
     assert node.gpus == 2 and node.ready
-    assert ineligible_reason(node, spec, lay) is None
+    assert ineligible_reason(node, typed) is None
     other = NodeInfo.from_node(
         {
             "metadata": {"name": "h", "labels": {"zone": "z2"}},
@@ -203,15 +209,15 @@ def test_tolerations_affinity_and_gpu_sources():
         }
     )
     assert other.gpus == 8
-    assert ineligible_reason(other, spec, lay) == "AffinityMismatch"
+    assert ineligible_reason(other, typed) == "AffinityMismatch"
 
 
 def test_cpu_device_needs_no_gpus():
     spec = with_defaults(
         {"runtime": "native", "device": "cpu", "model": {"path": "/models/m"}}, "ns", "c"
     )
-    lay = layout(spec)
-    assert ineligible_reason(NodeInfo("cpu-node", gpus=0), spec, lay) is None
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    assert ineligible_reason(NodeInfo("cpu-node", gpus=0), typed) is None
 
 
 TAINTS = [
@@ -238,15 +244,16 @@ def test_item5_placement_tolerates_exactly_what_the_daemonset_controller_adds(ke
     only for hostNetwork pods, which agents are not), matched by ToleratesTaint.
     """
     spec = _spec(tensor=8)
-    lay = layout(spec)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
     cache = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"}}
-    doc = R.plan(cache, spec, lay, ["n"], epoch=1)
-    pod = R.daemonset(cache, spec, doc, ["n"], R.AgentOptions())["spec"]["template"]["spec"]
+    doc = resources.plan(cache, typed, ["n"], epoch=1)
+    ds = resources.daemonset(cache, doc.spec, doc, ["n"], resources.AgentOptions())
+    pod = ds["spec"]["template"]["spec"]
     assert not pod.get("hostNetwork")
     real_pod = {
         "tolerations": [*pod["tolerations"], *apirules.daemonset_controller_tolerations(False)]
     }
     taint = {"key": key, "value": "", "effect": effect}
     node = NodeInfo("n", gpus=8, taints=(taint,))
-    eligible = ineligible_reason(node, spec, lay) is None
+    eligible = ineligible_reason(node, typed) is None
     assert eligible is apirules.schedulable_despite([taint], real_pod)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 
-from weightcache import constants as C
-from weightcache.operator import resources as R
-from weightcache.operator.spec import layout, with_defaults
+from weightcache import constants
+from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
+from weightcache.operator import resources
 
 CACHE = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
 
 
-def _build(raw: dict, nodes=("n0",), options: R.AgentOptions | None = None):
+def _build(raw: dict, nodes=("n0",), options: resources.AgentOptions | None = None):
     spec = with_defaults(raw, "ml", "llama")
-    lay = layout(spec)
-    doc = R.plan(CACHE, spec, lay, list(nodes), epoch=3)
-    return spec, doc, R.daemonset(CACHE, spec, doc, list(nodes), options or R.AgentOptions())
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    doc = resources.plan(CACHE, typed, list(nodes), epoch=3)
+    options = options or resources.AgentOptions()
+    return spec, doc, resources.daemonset(CACHE, doc.spec, doc, list(nodes), options)
 
 
 def test_replicas_are_planned_as_vllm_data_parallelism():
@@ -73,7 +74,7 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
     _, doc, ds = _build(
         raw,
         nodes=("n1", "n0"),
-        options=R.AgentOptions(runtime_class="nvidia", service_account="agent"),
+        options=resources.AgentOptions(runtime_class="nvidia", service_account="agent"),
     )
     pod = ds["spec"]["template"]["spec"]
     # The user's cpu request wins; the operator's default memory request fills the gap.
@@ -88,7 +89,7 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
     # Every user term crossed with every node: one matchFields value per term.
     assert [t["matchFields"] for t in terms] == [pin("n0"), pin("n0"), pin("n1"), pin("n1")]
     assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"], ["a"], ["b"]]
-    assert R.pinned_nodes(pod) == ["n0", "n1"]
+    assert resources.pinned_nodes(pod) == ["n0", "n1"]
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["runtimeClassName"] == "nvidia" and pod["serviceAccountName"] == "agent"
@@ -97,7 +98,8 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
     init = pod["initContainers"][0]
     assert init["command"][-1] == "/var/run/weightcache/ml/llama"
     ann = ds["spec"]["template"]["metadata"]["annotations"]
-    assert ann[C.ANN_EPOCH] == "3" and ann[R.ANN_PLAN_HASH] == R.plan_hash(doc)
+    assert ann[constants.ANN_EPOCH] == "3"
+    assert ann[resources.ANN_PLAN_HASH] == resources.plan_hash(doc)
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "100%"
 
 
@@ -117,18 +119,18 @@ def test_vllm_agent_runs_in_the_engine_image_with_host_namespaces():
     assert pod["containers"][0]["image"] == "vllm/vllm-openai:v0.31.0"
     assert [c["name"] for c in pod["initContainers"]] == ["socket-dir", "agent-lib"]
     # The copied agent packages come after the image's own; the vLLM child sees none of them.
-    assert pod["containers"][0]["command"] == ["python3", "-c", R.AGENT_BOOT_VLLM]
+    assert pod["containers"][0]["command"] == ["python3", "-c", resources.AGENT_BOOT_VLLM]
     assert "PYTHONPATH" not in {e["name"] for e in pod["containers"][0]["env"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
-    assert json.loads(R.configmap(CACHE, doc)["data"][C.PLAN_KEY]) == doc.to_doc()
+    assert json.loads(resources.configmap(CACHE, doc)["data"][constants.PLAN_KEY]) == doc.to_doc()
 
 
 def test_contains_detects_drift_but_not_server_defaults():
     desired = {"spec": {"a": 1, "items": [{"x": 1}]}}
-    assert R.contains({"spec": {"a": 1, "b": 2, "items": [{"x": 1, "y": 0}]}}, desired)
-    assert not R.contains({"spec": {"a": 2, "items": [{"x": 1}]}}, desired)
-    assert not R.contains({"spec": {"a": 1, "items": [{"x": 1}, {"x": 2}]}}, desired)
+    assert resources.contains({"spec": {"a": 1, "b": 2, "items": [{"x": 1, "y": 0}]}}, desired)
+    assert not resources.contains({"spec": {"a": 2, "items": [{"x": 1}]}}, desired)
+    assert not resources.contains({"spec": {"a": 1, "items": [{"x": 1}, {"x": 2}]}}, desired)
 
 
 def test_the_agent_accepts_every_plan_of_the_seed_layouts():
@@ -142,7 +144,7 @@ def test_the_agent_accepts_every_plan_of_the_seed_layouts():
     ]:
         raw = {"runtime": "native", "model": {"path": "/models/m"}, "parallelism": par}
         _, doc, _ = _build(raw, nodes=nodes)
-        plan = parse_plan(R.configmap(CACHE, doc)["data"][C.PLAN_KEY])
+        plan = parse_plan(resources.configmap(CACHE, doc)["data"][constants.PLAN_KEY])
         assert plan == doc  # the typed plan survives the ConfigMap unchanged
         assert plan.nodes == {n: i for i, n in enumerate(nodes)}
         assert plan.master_addr == "llama-rendezvous.ml.svc"
@@ -159,6 +161,8 @@ def test_owned_objects_are_valid_kubernetes_manifests():
         "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
         "placement": {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
     }
-    spec, doc, ds = _build(raw, nodes=("a", "b"), options=R.AgentOptions(runtime_class="nvidia"))
-    for obj in (ds, R.service(CACHE, spec), R.configmap(CACHE, doc)):
+    options = resources.AgentOptions(runtime_class="nvidia")
+    spec, doc, ds = _build(raw, nodes=("a", "b"), options=options)
+    typed = WeightCacheSpec.from_spec(spec, "ns", "c")
+    for obj in (ds, resources.service(CACHE, typed), resources.configmap(CACHE, doc)):
         kubernetes_validate.validate(obj, "1.30", strict=True)

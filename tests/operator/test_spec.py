@@ -1,10 +1,12 @@
-"""Defaults and the semantic rules of a WeightCache spec (shared by operator and webhook)."""
+"""Defaults (the typed API) and the semantic rules of a WeightCache spec (shared by operator and
+webhook)."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightcache.operator.spec import Problem, layout, validate, with_defaults
+from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
+from weightcache.operator.spec import Problem, validate
 
 BASE = {"runtime": "native", "model": {"path": "/models/m"}}
 
@@ -128,7 +130,7 @@ def test_valid_layouts_from_the_seed():
         runtime = vllm if par.get("expert") else {}
         spec = with_defaults({**BASE, **runtime, "parallelism": par}, "ns", "c")
         assert validate(spec) == []
-        assert layout(spec).gpus_per_node == gpus
+        assert WeightCacheSpec.from_spec(spec, "ns", "c").gpus == gpus
 
 
 def test_valid_vllm_images():

@@ -11,6 +11,12 @@ rather than stored: which global, TP and DP rank each device of a node serves co
 Unknown keys are ignored on read, so an agent keeps reading a plan from a newer operator that
 adds a field; the JSON is written with sorted keys and no spaces, so its hash (the DaemonSet's
 `plan-hash` annotation) only changes when the content does.
+
+Version 2 (`"version": 2`) stopped carrying a second copy of the layout: `spec.parallelism`
+and `spec.gpusPerNode` are left out of `spec`, and `layout`, `nodeCount` and `gpusPerNode` are
+the only statement of it. Version 1 documents (no `version` key) are read too; their copy is
+ignored apart from the pipeline rule. Either way the typed `Plan.spec` states the layout the
+daemons are launched with (`spec.layout() == plan.layout`).
 """
 
 from __future__ import annotations
@@ -20,30 +26,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightcache.contracts.ranks import LocalRank, data_start_rank, node_ranks
+from weightcache.api.v1alpha1 import Parallelism, WeightCacheSpec
+from weightcache.contracts.layout import Layout, LocalRank, data_start_rank, node_ranks
 from weightcache.contracts.vocabulary import RUNTIMES
+from weightcache.errors import ProjectError
 
 # A plan.json is a few KiB; anything far larger is not a plan.
 MAX_PLAN_BYTES = 1 << 20
+PLAN_VERSION = 2
+# What version 2 leaves out of `spec`: the layout is stated by `layout` and `gpusPerNode`.
+LAYOUT_KEYS = ("parallelism", "gpusPerNode")
 
 
-class PlanError(ValueError):
+class PlanError(ProjectError, ValueError):
     """A plan document that no agent can act on; the message names the field."""
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """The daemon group's parallel layout as the operator planned it.
-
-    `data` is the data-parallel size the daemons are launched with (filler replicas of a dense
-    model included) and `data_local` the DP ranks per node.
-    """
-
-    tensor: int
-    data: int
-    data_local: int
-    expert: bool
-    world_size: int
 
 
 @dataclass(frozen=True)
@@ -59,8 +55,8 @@ class Plan:
     node_count: int
     gpus_per_node: int
     nodes: dict[str, int]  # node name -> node rank, in rank order
-    layout: GroupLayout
-    spec: dict[str, Any] = field(default_factory=dict)
+    layout: Layout  # the launched layout: filler replicas counted in `data`
+    spec: WeightCacheSpec = field(default_factory=WeightCacheSpec)
 
     @property
     def ranks_per_node(self) -> int:
@@ -77,7 +73,9 @@ class Plan:
 
     def to_doc(self) -> dict[str, Any]:
         lay = self.layout
+        spec = {k: v for k, v in self.spec.to_dict().items() if k not in LAYOUT_KEYS}
         return {
+            "version": PLAN_VERSION,
             "cache": self.cache,
             "namespace": self.namespace,
             "uid": self.uid,
@@ -97,7 +95,7 @@ class Plan:
                 "expert": lay.expert,
                 "worldSize": lay.world_size,
             },
-            "spec": self.spec,
+            "spec": spec,
         }
 
     def to_json(self) -> str:
@@ -134,12 +132,18 @@ class Plan:
             raise PlanError(
                 f"plan: gpusPerNode {gpus} is fewer than the {per_node} ranks each node serves"
             )
-        spec = doc.get("spec")
-        if not isinstance(spec, dict):
+        version = _int(doc, "version", "", minimum=1, default=1)
+        if version > PLAN_VERSION:
+            raise PlanError(
+                f"plan: version {version} is newer than this agent reads ({PLAN_VERSION})"
+            )
+        raw = doc.get("spec")
+        if not isinstance(raw, dict):
             raise PlanError("plan: spec must be an object (the WeightCache spec)")
+        cache, namespace = _str(doc, "cache"), _str(doc, "namespace")
         return cls(
-            cache=_str(doc, "cache"),
-            namespace=_str(doc, "namespace"),
+            cache=cache,
+            namespace=namespace,
             uid=str(doc.get("uid", "")),
             epoch=_int(doc, "epoch", "", default=0),
             runtime=runtime,
@@ -148,7 +152,7 @@ class Plan:
             gpus_per_node=gpus,
             nodes=nodes,
             layout=layout,
-            spec=spec,
+            spec=_spec(raw, namespace, cache, layout, gpus),
         )
 
 
@@ -189,24 +193,37 @@ def _nodes(raw: Any, node_count: int) -> dict[str, int]:
     return dict(sorted(nodes.items(), key=lambda item: item[1]))
 
 
-def _layout(lay: Any, node_count: int) -> GroupLayout:
+def _layout(lay: Any, node_count: int) -> Layout:
     if not isinstance(lay, dict):
         raise PlanError("plan: layout must be an object")
     tensor = _int(lay, "tensor", "layout.", minimum=1)
     data = _int(lay, "data", "layout.", minimum=1, default=1)
-    layout = GroupLayout(
+    world_size = _int(lay, "worldSize", "layout.", minimum=1, default=tensor * data)
+    if world_size != tensor * data:
+        raise PlanError(f"plan: layout.worldSize {world_size} != tensor {tensor} x data {data}")
+    if world_size % node_count:
+        raise PlanError(
+            f"plan: world size {world_size} does not split evenly over {node_count} nodes"
+        )
+    return Layout(
         tensor=tensor,
         data=data,
+        nodes=node_count,
         data_local=_int(lay, "dataLocal", "layout.", minimum=1, default=max(data // node_count, 1)),
         expert=bool(lay.get("expert", False)),
-        world_size=_int(lay, "worldSize", "layout.", minimum=1, default=tensor * data),
     )
-    if layout.world_size != tensor * data:
-        raise PlanError(
-            f"plan: layout.worldSize {layout.world_size} != tensor {tensor} x data {data}"
-        )
-    if layout.world_size % node_count:
-        raise PlanError(
-            f"plan: world size {layout.world_size} does not split evenly over {node_count} nodes"
-        )
-    return layout
+
+
+def _spec(
+    raw: Mapping[str, Any], namespace: str, cache: str, layout: Layout, gpus: int
+) -> WeightCacheSpec:
+    """The typed spec, its layout taken from the plan's (a version 1 copy only checked)."""
+    old = raw.get("parallelism")
+    if old is not None:
+        if not isinstance(old, dict):
+            raise PlanError("plan: spec.parallelism must be an object")
+        problem = Parallelism.from_raw(old).pipeline_problem()
+        if problem:
+            raise PlanError(f"plan: {problem}")
+    body = {k: v for k, v in raw.items() if k not in LAYOUT_KEYS}
+    return WeightCacheSpec.from_spec(body, namespace, cache).with_layout(layout, gpus)

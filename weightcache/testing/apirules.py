@@ -201,6 +201,15 @@ RULES: dict[str, Rule] = {
             "algorithm.go Prune",
         ),
         Rule(
+            "crd.defaults",
+            "a default in a structural schema must itself validate against its schema (type, "
+            "enum, bounds, pattern) and survive pruning; it is applied when an object is "
+            "decoded (requests and reads from etcd), only where the parent object is present",
+            "Kubernetes docs, Extend the Kubernetes API with CustomResourceDefinitions, "
+            "\"Defaulting\" (staging/src/k8s.io/apiextensions-apiserver/pkg/apiserver/schema/"
+            "defaulting/validation.go ValidateDefaults, algorithm.go Default)",
+        ),
+        Rule(
             "object.size",
             "one object is at most etcd's default request limit, 1.5 MiB",
             "etcd server/embed/config.go DefaultMaxRequestBytes (kube-apiserver stores through it)",
@@ -730,6 +739,68 @@ def pruned_fields(value: Any, schema: Mapping[str, Any], field: str = "") -> Ite
     elif isinstance(value, list) and schema.get("type") == "array":
         for i, item in enumerate(value):
             yield from pruned_fields(item, schema.get("items") or {}, f"{field}[{i}]")
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "object": (dict,), "array": (list,),
+}
+
+
+def _value_fits(value: Any, schema: Mapping[str, Any]) -> bool:
+    """Whether a value satisfies the scalar constraints of its schema node."""
+    kind = schema.get("type")
+    if kind in _TYPES:
+        if not isinstance(value, _TYPES[kind]):
+            return False
+        if kind in ("integer", "number") and isinstance(value, bool):
+            return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if low is not None and (value <= low if schema.get("exclusiveMinimum") else value < low):
+            return False
+        if high is not None and value > high:
+            return False
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            return False
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            return False
+    return True
+
+
+def default_violations(schema: Mapping[str, Any], field: str = "") -> list[Violation]:
+    """Defaults of a structural schema that the API server would refuse (rule crd.defaults)."""
+    out = _Out()
+    if "default" in schema:
+        value = schema["default"]
+        out.need(_value_fits(value, schema), "crd.defaults", field or ".",
+                 f"default {value!r} does not validate against its own schema")
+        out.need(not list(pruned_fields(value, schema)), "crd.defaults", field or ".",
+                 f"default {value!r} holds fields the schema prunes")
+    for key, sub in (schema.get("properties") or {}).items():
+        out.items += default_violations(sub, f"{field}.{key}" if field else key)
+    if isinstance(schema.get("items"), Mapping):
+        out.items += default_violations(schema["items"], f"{field}[]")
+    return out.items
+
+
+def apply_defaults(value: Any, schema: Mapping[str, Any]) -> Any:
+    """What the API server stores for `value`: each default filled where the parent object
+    is present (a missing object is not created to hold defaults)."""
+    if isinstance(value, Mapping) and schema.get("type") == "object":
+        out = dict(value)
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in out and "default" in sub:
+                out[key] = json.loads(json.dumps(sub["default"]))
+            if key in out:
+                out[key] = apply_defaults(out[key], sub)
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [apply_defaults(item, schema["items"]) for item in value]
+    return value
 
 
 def _weightcache(out: _Out, obj: Mapping[str, Any], schema: Mapping[str, Any] | None) -> None:
