@@ -98,16 +98,7 @@ class Cluster:
         ds = await self.get(f"/apis/apps/v1/namespaces/{NS}/daemonsets/{name}-agent")
         assert ds is not None
         template = ds["spec"]["template"]
-        terms = template["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ]["nodeSelectorTerms"]
-        nodes = [
-            value
-            for term in terms
-            for f in term.get("matchFields") or []
-            if f["key"] == "metadata.name"
-            for value in f["values"]
-        ]
+        nodes = emulator.schedulable_nodes(template["spec"], await self.list("/api/v1/nodes"))
         existing = {p["metadata"]["name"]: p for p in await self.agent_pods(name)}
         pods = []
         for node_name in nodes:

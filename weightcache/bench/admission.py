@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from weightcache.bench.report import add_smoke_flag
+
 TARGET_P99_MS = 5.0
 CACHE = {
     "apiVersion": "weightcache.io/v1alpha1",
@@ -293,6 +295,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="ignored: CPU only")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
+    add_smoke_flag(p)
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the bare-HTTPS floor measurement"
     )
@@ -301,6 +304,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.smoke:
+        args.rate, args.duration, args.warmup = 50.0, 1.0, 0.2
     if importlib.util.find_spec("kmock") is None:
         print("  skipped: needs kmock (pip install -e '.[test]') for the in-memory API server")
         return 0

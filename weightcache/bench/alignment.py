@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from weightcache.bench.report import add_smoke_flag
 from weightcache.contracts import alignment as al
 
 GPUS = 8
@@ -221,7 +222,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")  # pure computation
     p.add_argument("--events", type=int, default=4000)
     p.add_argument("--seed", type=int, default=16)
+    add_smoke_flag(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.events = 200
     print(f"  GPU alignment on an {GPUS}-GPU node (rates; baseline = before, same allocations; "
           f"churn: {args.events} events, seed {args.seed})")
     for line in markdown(rows(args.events, args.seed)).splitlines():

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightcache.bench.report import add_smoke_flag
+
 GB = 1e9
 MiB = 1 << 20
 SHARD_BYTES = 5 * 10**9
@@ -636,6 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default="cuda_vmm,cuda_ipc")
     p.add_argument("--quick", action="store_true",
                    help="one loader setting per page-cache state (for the large shapes)")
+    add_smoke_flag(p)
     return p
 
 
@@ -693,7 +696,10 @@ def main(argv: list[str]) -> int:
     args.models = os.environ.get("WEIGHTCACHE_BENCH_GPU_MODELS", args.models)
     args.out = args.out or os.environ.get("WEIGHTCACHE_BENCH_GPU_OUT") or None
     args.workdir = args.workdir or os.environ.get("WEIGHTCACHE_BENCH_GPU_WORKDIR") or None
-    args.quick = args.quick or os.environ.get("WEIGHTCACHE_BENCH_GPU_QUICK", "") == "1"
+    args.quick = (args.quick or args.smoke
+                  or os.environ.get("WEIGHTCACHE_BENCH_GPU_QUICK", "") == "1")
+    if args.smoke:
+        args.models, args.repeats = "1b", 3
     only = os.environ.get("WEIGHTCACHE_BENCH_GPU_ATTACH_ONLY") == "1"
     args.attach_only = args.attach_only or only
     args.transports = os.environ.get("WEIGHTCACHE_BENCH_GPU_TRANSPORTS", args.transports)

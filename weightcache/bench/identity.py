@@ -15,13 +15,18 @@ import tempfile
 import threading
 from pathlib import Path
 
+from weightcache.bench.report import add_smoke_flag
+
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="weightcache bench identity")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny checkpoint (smoke test)")
+    add_smoke_flag(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.small, args.repeat = True, 1
 
     import torch
 

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from weightcache.bench.report import add_smoke_flag
+
 
 def _sync_and_drop(model: Path, *, drop: bool) -> bool:
     """Write the checkpoint back (so writeback does not disturb timings) and optionally evict
@@ -48,7 +50,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny checkpoint (smoke test)")
+    add_smoke_flag(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.small, args.repeat = True, 1
 
     import torch
 

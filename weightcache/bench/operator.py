@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 from weightcache import constants as C
+from weightcache.bench.report import add_smoke_flag
 from weightcache.testing import emulator
 from weightcache.testing.ports import free_port
 from weightcache.testing.processes import operator_cmd
@@ -117,10 +118,8 @@ class _Harness:
         """Play the DaemonSet controller: one Ready agent pod per pinned node."""
         ds = await self.call("GET", f"/apis/apps/v1/namespaces/{NS}/daemonsets/{name}-agent")
         template = ds["spec"]["template"]
-        term = template["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ]["nodeSelectorTerms"][0]
-        nodes = next(f["values"] for f in term["matchFields"] if f["key"] == "metadata.name")
+        fleet = (await self.call("GET", "/api/v1/nodes"))["items"]
+        nodes = emulator.schedulable_nodes(template["spec"], fleet)
         for node in nodes:
             await self.call(
                 "POST",
@@ -288,7 +287,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cache-nodes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--resync", type=float, default=2.0, help="operator resync period (s)")
     p.add_argument("--json", action="store_true", help="print the JSON report only")
+    add_smoke_flag(p)
     args = p.parse_args(argv)
+    if args.smoke:  # a multi-node cache: one agent pod per pinned node must come up
+        args.fleet, args.cache_nodes = [4], [1, 4]
     logging.getLogger("kopf").setLevel(logging.ERROR)
     report = run(args)
     if args.json:

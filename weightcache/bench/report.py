@@ -3,7 +3,8 @@
 Sections are modules found by import path, loaded only when run, so a section whose module is
 absent (not installed, not written yet, or needing what this machine lacks) prints
 "skipped: not available" instead of failing the rest. A section module exposes
-`main(argv: list[str]) -> int`, accepts `--device cpu|cuda`, and prints its results as ratios
+`main(argv: list[str]) -> int`, accepts `--device cpu|cuda` and `--smoke` (its smallest
+sizes: CI runs every section that way), and prints its results as ratios
 against a baseline it measures in the same run (use `print_ratios` for a uniform table).
 The dispatcher prints the machine first, since numbers mean nothing without it.
 """
@@ -102,6 +103,9 @@ def _module_available(path: str) -> bool:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="weightcache bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--smoke", action="store_true",
+                   help="every section at its smallest size (CI runs this: benchmarks that "
+                        "nothing runs rot); figures mean nothing")
     p.add_argument("sections", nargs="*", metavar="section", help=f"{', '.join(SECTIONS)}")
     args = p.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
@@ -123,7 +127,7 @@ def main(argv: list[str]) -> int:
             print("  skipped: not available (no main)", flush=True)
             continue
         t0 = time.perf_counter()
-        code = int(entry(["--device", args.device]) or 0)
+        code = int(entry(["--device", args.device, *(["--smoke"] if args.smoke else [])]) or 0)
         print(f"  ({name}: {time.perf_counter() - t0:.1f} s, exit {code})", flush=True)
         worst = max(worst, code)
     return worst
@@ -131,3 +135,9 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def add_smoke_flag(p: argparse.ArgumentParser) -> None:
+    """Every section's `--smoke`: its smallest sizes (what CI runs; figures mean nothing)."""
+    p.add_argument("--smoke", action="store_true",
+                   help="smallest sizes, for CI: runs the code paths; figures mean nothing")

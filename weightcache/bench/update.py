@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightcache.bench.report import add_smoke_flag
+
 from .report import machine_info, print_ratios
 
 SIZES = ("tiny", "demo", "1b", "8b")
@@ -182,12 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=None, help="arena transport (default: best)")
     p.add_argument("--workdir", default=None, help="where the two revisions are written")
     p.add_argument("--keep", action="store_true", help="keep generated checkpoints")
+    add_smoke_flag(p)
     p.add_argument("--out", default=None, help="also write the JSON result here")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.size = args.size or "tiny"
     args.size = args.size or os.environ.get("WEIGHTCACHE_BENCH_UPDATE_SIZE") or (
         "8b" if args.device == "cuda" else "demo")
     if args.device == "cuda":
