@@ -17,8 +17,8 @@ from typing import Any
 
 from weightcache import constants as C
 from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
-from weightcache.native.gpu import canonical_identity
-from weightcache.native.identity import cpu_identity
+from weightcache.native.shared.gpu import canonical_identity
+from weightcache.native.shared.identity import cpu_identity
 
 
 class ConfigError(Exception):

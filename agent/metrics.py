@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import Snapshot, State, Supervisor
-from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
+from weightcache.native.shared.fingerprint import FIELDS as FINGERPRINT_FIELDS
 
 # Every cache series names the cache, its namespace and the node; rank series also carry the
 # GPU as DCGM exporter labels it (`UUID`, `Hostname`), so they join with DCGM_FI_DEV_* series

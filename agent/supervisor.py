@@ -41,7 +41,7 @@ from weightcache.contracts.vocabulary import (  # noqa: F401  (re-exported for m
     EXIT_PORT,
     EXIT_RUNTIME,
 )
-from weightcache.native.lifetime import exiting_with_parent
+from weightcache.native.daemon.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.agent.runtimes.base import Runtime
-from weightcache.native.update_group import GroupUpdate, UpdateFailed
+from weightcache.native.coordinator import GroupUpdate, UpdateFailed
 
 log = logging.getLogger("weightcache.agent.updates")
 

@@ -4,16 +4,16 @@
     from weightcache.client import from_pretrained      # transformers (the `transformers` extra)
     from weightcache.client import follow_updates, ModelGate   # in-place updates
 
-This module is the stable face; the implementation lives in `weightcache.native.client` and
+This module is the stable face; the implementation lives in `weightcache.native.engine.attach` and
 may move. It imports torch only through that module, never the operator or the node agent;
 transformers is imported only when `from_pretrained` is called.
 """
 
 from typing import Any
 
-from weightcache.native.client import *  # noqa: F403
-from weightcache.native.client import __all__ as _native_all
-from weightcache.native.updates import (  # in-place updates (docs/updates.md)
+from weightcache.native.engine.attach import *  # noqa: F403
+from weightcache.native.engine.attach import __all__ as _native_all
+from weightcache.native.engine.participant import (  # in-place updates (docs/updates.md)
     ModelGate,
     UpdateParticipant,
     follow_updates,

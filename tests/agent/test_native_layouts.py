@@ -15,9 +15,9 @@ from weightcache.agent.runtimes import get_runtime
 from weightcache.agent.supervisor import EXIT_CONFIG
 from weightcache.contracts.proto import agent_pb2
 from weightcache.contracts.ranks import plan_local_ranks
-from weightcache.native import launcher as preload
-from weightcache.native.client import attach
-from weightcache.native.identity import cpu_identity
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import attach
+from weightcache.native.shared.identity import cpu_identity
 from weightcache.operator import resources, spec
 
 SOCK = "/var/run/weightcache/default/llama"

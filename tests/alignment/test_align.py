@@ -161,7 +161,7 @@ def test_visible_from_env_and_smi() -> None:
 
 
 def test_native_client_rank_devices(tmp_path) -> None:
-    from weightcache.native import alignment as native
+    from weightcache.native.engine import rank_devices as native
 
     gpus = node_map(8, 4)
     ids = uuids(8)
@@ -175,7 +175,7 @@ def test_native_client_rank_devices(tmp_path) -> None:
 
 
 def test_uuid_spellings_match_the_agents_canonical_form() -> None:
-    from weightcache.native.gpu import normalize_uuid
+    from weightcache.native.shared.gpu import normalize_uuid
 
     for raw in ("GPU-3F0C1A2B-1111-2222-3333-444455556666", "3f0c1a2b111122223333444455556666",
                 "GPU-3f0c1a2b-1111-2222-3333-444455556666"):

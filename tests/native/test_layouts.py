@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from weightcache.contracts.ranks import ParallelFlags, RankLayoutError, plan_local_ranks
-from weightcache.native import launcher as preload
-from weightcache.native.client import FingerprintMismatchError, attach, query
-from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import FingerprintMismatchError, attach, query
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.processes import run_attach, weightcache_cmd
 
 from .conftest import private_dir

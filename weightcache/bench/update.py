@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from weightcache.client import attach, follow_updates
-    from weightcache.native.update_group import discover, update_group
+    from weightcache.native.coordinator import discover, update_group
     from weightcache.testing.processes import Preload
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="wc-bench-update-"))

@@ -30,24 +30,24 @@ from torch import nn
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 
-from . import content
-from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint
-from .errors import WeightCacheError
-from .identity import device_identity
-from .identity import socket_path as derive_socket_path
-from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
-from .presence import loading_daemon
-from .rankplan import plan_rank_shard
-from .security import (
+from ..shared import content
+from ..shared import protocol as proto
+from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.errors import WeightCacheError
+from ..shared.identity import device_identity
+from ..shared.identity import socket_path as derive_socket_path
+from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from ..shared.presence import loading_daemon
+from ..shared.rankplan import plan_rank_shard
+from ..shared.security import (
     SecurityError,
     check_peer,
     check_socket_file,
     resolve_socket_dir,
     trusted_uids,
 )
-from .sharding import ShardingError, parse_rules
-from .transport import TransportError, get_transport
+from ..shared.sharding import ShardingError, parse_rules
+from ..shared.transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
 

@@ -106,7 +106,7 @@ def _answers(path: str, timeout: float) -> bool:
     even `busy` proves the process runs.)"""
     import socket
 
-    from . import protocol
+    from ..shared import protocol
 
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device_count(kind: str) -> int:
     if kind == "cuda":
-        from .gpu import visible_device_count  # torch-free: the ranks import torch themselves
+        from ..shared.gpu import (
+            visible_device_count,  # torch-free: the ranks import torch themselves
+        )
 
         return visible_device_count()
     return os.cpu_count() or 1
@@ -235,9 +237,9 @@ def _validate(args: argparse.Namespace) -> str | None:
     Only headers are read and torch is not imported, so bad input fails in well under a
     second instead of after every rank has started.
     """
-    from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
-    from .security import SecurityError, prepare_socket_dir
-    from .sharding import ShardingError, parse_rules, plan_shard
+    from ..shared.checkpoint import CheckpointError, open_checkpoint, tied_aliases
+    from ..shared.security import SecurityError, prepare_socket_dir
+    from ..shared.sharding import ShardingError, parse_rules, plan_shard
 
     tp = args.tensor_parallel_size
     flags = parallel_flags(args)

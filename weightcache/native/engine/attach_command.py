@@ -83,9 +83,9 @@ def _cuda_problem(device: str) -> str | None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .checkpoint import CheckpointError
-    from .client import WeightCacheError, attach, load_from_disk
-    from .sharding import ShardingError
+    from ..shared.checkpoint import CheckpointError
+    from ..shared.sharding import ShardingError
+    from .attach import WeightCacheError, attach, load_from_disk
 
     rules = [] if args.no_shard_rules else args.shard_rule
     try:
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     if args.verify_bytes:
         import torch
 
-        from .client import plan_rank
+        from .attach import plan_rank
 
         device = torch.device(args.device)
         plan = plan_rank(

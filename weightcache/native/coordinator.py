@@ -59,7 +59,7 @@ def discover(socket_dir: Path, role: str = ROLE_TARGET) -> list[Path]:
 
 class _Rank:
     def __init__(self, path: Path, timeout_s: float) -> None:
-        from .client import connect
+        from .engine.attach import connect
 
         self.path = path
         self.sock: socket.socket = connect(path, timeout=timeout_s)
@@ -68,8 +68,8 @@ class _Rank:
         self.written = False
 
     def call(self, cmd: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        from . import protocol as proto
-        from .client import request
+        from .engine.attach import request
+        from .shared import protocol as proto
 
         if fds:
             try:
@@ -107,7 +107,7 @@ class GroupUpdate:
 
     def __init__(self, sockets: list[Path | str | os.PathLike], *,
                  timeout_s: float = 600.0) -> None:
-        from .client import WeightCacheError
+        from .engine.attach import WeightCacheError
 
         if not sockets:
             raise UpdateFailed("no_daemons", "no daemon sockets to update")
@@ -126,7 +126,7 @@ class GroupUpdate:
                 pushes: Mapping[Any, Mapping[str, Any]] | None = None,
                 force: bool = False) -> dict[str, Any]:
         """Stage on every rank (engines keep serving). Raises UpdateFailed after aborting."""
-        from .updates import arena_image
+        from .engine.participant import arena_image
 
         def stage(rank: _Rank) -> dict[str, Any]:
             if pushes is None:
@@ -274,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from .checkpoint import CheckpointError, open_checkpoint
-    from .security import SecurityError, resolve_socket_dir
+    from .shared.checkpoint import CheckpointError, open_checkpoint
+    from .shared.security import SecurityError, resolve_socket_dir
 
     try:
         open_checkpoint(args.model)

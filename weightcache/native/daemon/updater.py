@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import content as content_mod
-from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint
-from .loader import ArenaLayout, ArenaLayoutError, load_into_arena
-from .rankplan import plan_rank_shard
-from .sharding import ShardingError, ShardRule
+from ..shared import content as content_mod
+from ..shared import protocol as proto
+from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
+from ..shared.rankplan import plan_rank_shard
+from ..shared.sharding import ShardingError, ShardRule
 
 if TYPE_CHECKING:
-    from .daemon import RankServer
+    from .rank import RankServer
 
 log = logging.getLogger("weightcache.update")
 

@@ -38,16 +38,13 @@ from weightcache.contracts.vocabulary import (
     canonical_role,
 )
 
-from . import content as content_mod
-from . import fingerprint as fp
-from . import limits
-from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint
-from .identity import device_identity, socket_path
-from .lifetime import request_parent_death_signal
-from .prefetch import Prefetcher
-from .progress import Counter, Ticker
-from .security import (
+from ..shared import content as content_mod
+from ..shared import fingerprint as fp
+from ..shared import limits
+from ..shared import protocol as proto
+from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.identity import device_identity, socket_path
+from ..shared.security import (
     AlreadyRunningError,
     SecurityError,
     SocketLock,
@@ -57,14 +54,17 @@ from .security import (
     peer_credentials,
     prepare_socket_dir,
 )
-from .sharding import ShardingError, parse_rules
+from ..shared.sharding import ShardingError, parse_rules
+from .lifetime import request_parent_death_signal
+from .prefetch import Prefetcher
+from .progress import Counter, Ticker
 
 if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
     import torch
 
-    from .loader import ArenaLayout
-    from .transport import Arena
-    from .update import RankUpdater
+    from ..shared.loader import ArenaLayout
+    from ..shared.transport import Arena
+    from .updater import RankUpdater
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -210,7 +210,7 @@ class RankServer:
         return {"kind": self.device.type, "uuid": self.identity, "index": self.device.index or 0}
 
     def cmd_hello(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        from .transport import available_transports
+        from ..shared.transport import available_transports
 
         return proto.ok(
             protocol=proto.PROTOCOL_VERSION,
@@ -636,9 +636,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from .loader import load_into_arena
-        from .rankplan import plan_rank_shard
-        from .transport import default_transport, get_transport
+        from ..shared.loader import load_into_arena
+        from ..shared.rankplan import plan_rank_shard
+        from ..shared.transport import default_transport, get_transport
 
         device = torch.device(args.device, index) if args.device == "cuda" else torch.device("cpu")
         phase("startup_seconds")  # headers, device identity (imports torch on CUDA), lock
@@ -725,7 +725,7 @@ def run(args: argparse.Namespace) -> int:
             allowed_uids={os.getuid(), *args.allow_uid},
             content=record,
         )
-        from .update import RankUpdater, UpdateConfig
+        from .updater import RankUpdater, UpdateConfig
 
         server.updates = RankUpdater(server, UpdateConfig(
             rules=rules, tp_size=tp, tp_rank=rank, dtype=args.dtype, model=str(args.model)))

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from . import protocol as proto
-from .client import AttachResult, WeightCacheError, _raise_for, connect, request
-from .loader import dtype_from_name
+from ..shared import protocol as proto
+from ..shared.loader import dtype_from_name
+from .attach import AttachResult, WeightCacheError, _raise_for, connect, request
 
 log = logging.getLogger("weightcache.updates")
 
@@ -261,7 +261,7 @@ def push_update(
     `pushes` maps a daemon socket to that rank's full state dict (names, dtypes, shapes as
     cached). Raises `UpdateFailed` (nothing switched, or the cache marked broken).
     """
-    from .update_group import update_group
+    from ..coordinator import update_group
 
     return update_group(list(pushes), pushes=pushes, force=force,
                         pause_deadline_s=pause_deadline_s, timeout_s=timeout_s)

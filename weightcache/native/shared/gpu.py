@@ -5,7 +5,7 @@ processes: an engine started with `CUDA_VISIBLE_DEVICES=3` calls physical GPU 3 
 Both sides compute the UUID of the device they use, so they meet on the same socket and the
 client can refuse a daemon that holds another GPU's memory.
 
-This is the one place a GPU becomes an identity string: `weightcache.native.identity` (socket
+This is the one place a GPU becomes an identity string: `weightcache.native.shared.identity` (socket
 names) and the node agent's device discovery call it. Everything that needs CUDA is imported
 lazily; the parsing helpers run anywhere.
 """

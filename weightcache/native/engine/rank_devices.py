@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from weightcache import constants as C
 from weightcache.contracts import alignment as al
 
-from .identity import device_identity
+from ..shared.identity import device_identity
 
-log = logging.getLogger("weightcache.native.alignment")
+log = logging.getLogger("weightcache.native.engine.rank_devices")
 
 
 def visible_identities(kind: str = "cuda", count: int | None = None) -> list[str]:
