@@ -198,7 +198,7 @@ def test_a_stopped_rank_is_not_ready_within_seconds_and_restarted(agents, checkp
 def test_status_shows_bytes_loaded_while_ranks_load(agents, checkpoint):
     """While ranks hold loaded shards unbound, Status is LOADING with their bytes so far (from
     the launcher's /health), so a long load is seen moving; READY then keeps the bytes."""
-    from weightcache.native.daemon.rank import BIND_DELAY_ENV
+    from weightcache.native.daemon.config import BIND_DELAY_ENV
 
     plan = make_plan(runtime="native", tensor=2, model=str(checkpoint), epoch=1,
                      spec_extra={"device": "cpu"})

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.native.daemon import launcher
+from weightcache.native.daemon.config import BIND_DELAY_ENV
 from weightcache.native.daemon.lifetime import exiting_with_parent, python_module
-from weightcache.native.daemon.rank import BIND_DELAY_ENV
 from weightcache.native.engine.attach_command import build_parser as attach_parser
 from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.processes import weightcache_cmd

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native.daemon.rank import BIND_DELAY_ENV
+from weightcache.native.daemon.config import BIND_DELAY_ENV
 from weightcache.native.engine.attach import DaemonUnavailableError, attach, query
 from weightcache.native.shared import protocol as proto
 from weightcache.native.shared.identity import cpu_identity, socket_path

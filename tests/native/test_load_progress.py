@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from weightcache.native.daemon.config import BIND_DELAY_ENV
 from weightcache.native.daemon.progress import Counter, ProgressPrinter, describe, eta_seconds
-from weightcache.native.daemon.rank import BIND_DELAY_ENV
 from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
 from weightcache.native.shared.coldload import direct_mode, drop_page_cache, load_entries
 from weightcache.native.shared.loader import load_into_arena, plan_layout, tensors_from_table

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native.daemon.rank import BIND_DELAY_ENV
+from weightcache.native.daemon.config import BIND_DELAY_ENV
 from weightcache.native.shared.identity import cpu_identity, socket_path
 
 from .test_lifecycle import pid_alive

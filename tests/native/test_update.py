@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightcache.client import ModelGate, follow_updates, push_update
-from weightcache.native.coordinator import UpdateFailed, discover, update_group
+from weightcache.native.coordinator import UpdateError, discover, update_group
 from weightcache.native.engine.attach import attach, query
 from weightcache.native.shared import protocol as proto
 from weightcache.native.shared.identity import cpu_identity, socket_path
@@ -51,7 +51,7 @@ def update_here(sock_dir: Path, model: Path, **options) -> tuple[int, dict]:
     """What `weightcache update` does, in this process (saves an interpreter start)."""
     try:
         return 0, update_group(discover(sock_dir), model=str(model), **options)
-    except UpdateFailed as exc:
+    except UpdateError as exc:
         return 1, {"error": exc.code, "message": str(exc), "broken": exc.broken, **exc.detail}
 
 

@@ -35,7 +35,7 @@ E_TRANSPORT_UNAVAILABLE = "transport_unavailable"
 E_PERMISSION_DENIED = "permission_denied"
 E_BUSY = "busy"
 E_INTERNAL = "internal"
-# In-place updates (native/update.py).
+# In-place updates (native/daemon/updater.py).
 E_LAYOUT_MISMATCH = "layout_mismatch"
 E_UPDATE_STATE = "update_state"
 E_PAUSE_TIMEOUT = "pause_timeout"
@@ -62,7 +62,7 @@ ERROR_CODES = frozenset(
     }
 )
 COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
-# In-place update commands, handled by native/update.py (docs/updates.md).
+# In-place update commands, handled by native/daemon/updater.py (docs/updates.md).
 UPDATE_COMMANDS = (
     "get_table", "update_stage", "update_pause", "update_write", "update_finish", "update_abort"
 )
