@@ -13,8 +13,8 @@ from tests.agent.plans import gpu_uuids, make_plan
 from weightcache.agent.config import AgentEnv, ConfigError, build_config, parse_plan
 from weightcache.agent.runtimes import get_runtime
 from weightcache.agent.supervisor import EXIT_CONFIG
+from weightcache.contracts.layout import Layout
 from weightcache.contracts.proto import agent_pb2
-from weightcache.contracts.ranks import plan_local_ranks
 from weightcache.native.daemon import launcher as preload
 from weightcache.native.engine.attach import attach
 from weightcache.native.shared.identity import cpu_identity
@@ -64,7 +64,7 @@ def test_operator_agent_and_launcher_agree(parallelism, gpus):
         rt = runtime_for(plan, node["rank"])
         args = preload.build_parser().parse_args(launcher_args(rt))
         served = [(p.local, p.global_rank, p.tp_rank, p.dp_rank)
-                  for p in plan_local_ranks(preload.parallel_flags(args))]
+                  for p in Layout.from_args(args).local_ranks()]
         agent = [(r.local_index, r.global_rank, r.tp_rank, r.dp_rank) for r in rt.ranks()]
         # The operator's own view of the group: vLLM's `node_rank * local + i` block.
         local = plan["layout"]["worldSize"] // plan["nodeCount"]

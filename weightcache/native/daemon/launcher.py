@@ -35,7 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from weightcache.cliformat import HelpFormatter
-from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.layout import Layout
+from weightcache.contracts.ranks import LocalRank, RankLayoutError
 from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
 from weightcache.errors import ProjectError
 
@@ -177,21 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_shard_flags(
         p, model_help="local directory of .safetensors files (and config.json); a hub id must "
                       "be downloaded first",
-        tp_help="tensor-parallel size: one rank per local device, each holding its shard",
+        tp_help=None,  # with the other parallel flags: Layout.add_arguments
         dtype_help="dtype the tensors are cached in (auto: as stored); engines must ask for the "
                    "same one",
         rules_help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="data-parallel replicas in the whole group (a dense model's replicas "
-                        "hold identical shards)")
-    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="data-parallel ranks this launcher serves (default: all of them, or "
-                        "what --nnodes implies)")
-    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
-                   help="data-parallel rank of this launcher's first local device")
-    p.add_argument("--nnodes", "-n", type=int, default=1,
-                   help="nodes the group spans; node r serves global ranks r*local+i")
-    p.add_argument("--node-rank", "-r", type=int, default=0, help="this node's index, 0-based")
+    Layout.add_arguments(p)
     p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="weight_cache_socket_dir",
                    default=None,
                    help="socket directory (default: a private per-user dir under the temp dir)")
@@ -216,17 +207,6 @@ def _device_count(kind: str) -> int:
     return os.cpu_count() or 1
 
 
-def parallel_flags(args: argparse.Namespace) -> ParallelFlags:
-    return ParallelFlags(
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        data_parallel_size_local=args.data_parallel_size_local,
-        data_parallel_start_rank=args.data_parallel_start_rank,
-    )
-
-
 class PreloadRefused(ProjectError):
     """Input that would make a rank fail, found before any rank starts; `code` is the exit code."""
 
@@ -243,9 +223,9 @@ def _validate(args: argparse.Namespace) -> list[LocalRank]:
     second instead of after every rank has started.
     """
     tp = args.tensor_parallel_size
-    flags = parallel_flags(args)
+    layout = Layout.from_args(args)
     try:
-        placements = plan_local_ranks(flags)
+        placements = layout.local_ranks()
     except RankLayoutError as exc:
         raise PreloadRefused(str(exc)) from None
     devices = _device_count(args.device)
@@ -258,7 +238,7 @@ def _validate(args: argparse.Namespace) -> list[LocalRank]:
         raise PreloadRefused(
             f"--tensor-parallel-size {tp} exceeds the {devices} {args.device} device(s) here")
     if local > devices:
-        raise PreloadRefused(f"{flags.describe()}: this node would serve {local} local ranks, "
+        raise PreloadRefused(f"{layout.describe()}: this node would serve {local} local ranks, "
                              f"more than the {devices} {args.device} device(s) here")
     _check_model(args, tp)
     try:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 
+from weightcache.contracts.layout import TENSOR_FLAG
 from weightcache.contracts.vocabulary import DTYPES
 
 
-def add_shard_flags(parser: argparse.ArgumentParser, *, model_help: str, tp_help: str,
+def add_shard_flags(parser: argparse.ArgumentParser, *, model_help: str, tp_help: str | None,
                     dtype_help: str, rules_help: str) -> None:
     """`--model`, `--tensor-parallel-size`/`-tp`, `--dtype`, `--shard-rule`, `--no-shard-rules`;
-    the help texts say what each means for the command at hand."""
+    the help texts say what each means for the command at hand. `tp_help=None`: the command
+    declares the TP size with the rest of the parallel layout (`contracts.layout.Layout`)."""
     parser.add_argument("--model", required=True, help=model_help)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=tp_help)
+    if tp_help is not None:
+        parser.add_argument(TENSOR_FLAG, "-tp", type=int, default=1, help=tp_help)
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help=dtype_help)
     parser.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
                         help=rules_help)
@@ -33,7 +36,7 @@ def shard_rules(args: argparse.Namespace) -> list[str] | None:
 
 def shard_argv(model: str, tp_size: int, dtype: str, rules: list[str] | None) -> list[str]:
     """The same flags as argv, for a command that starts another (the launcher's ranks)."""
-    argv = ["--model", model, "--tensor-parallel-size", str(tp_size), "--dtype", dtype]
+    argv = ["--model", model, TENSOR_FLAG, str(tp_size), "--dtype", dtype]
     if rules is not None and not rules:
         argv.append("--no-shard-rules")
     for rule in rules or []:
@@ -43,5 +46,6 @@ def shard_argv(model: str, tp_size: int, dtype: str, rules: list[str] | None) ->
 
 def add_allow_uid_flag(parser: argparse.ArgumentParser) -> None:
     """`--weight-cache-allow-uid`, one name from `weightcache preload` down to its ranks."""
-    parser.add_argument("--weight-cache-allow-uid", dest="allow_uid", type=int, action="append",
+    parser.add_argument("--weight-cache-allow-uid", dest="allow_uid", metavar="UID", type=int,
+                        action="append",
                         default=[], help="also accept clients running as this uid (repeatable)")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 
+from weightcache.errors import ProjectError
+
 _MIG_RE = re.compile(r"^MIG-[0-9A-Za-z-]+$")
 _UUID_RE = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12})$")
 
 
-class GpuError(RuntimeError):
+class GpuError(ProjectError, RuntimeError):
     """A device could not be identified or resolved."""
 
 

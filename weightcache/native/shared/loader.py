@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from weightcache.errors import ProjectError
+
 from .checkpoint import Checkpoint, TensorInfo
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
@@ -31,7 +33,7 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 
 
-class ArenaLayoutError(ValueError):
+class ArenaLayoutError(ProjectError, ValueError):
     """A tensor table does not describe valid views of the buffer it comes with."""
 
 

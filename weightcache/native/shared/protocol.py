@@ -18,6 +18,8 @@ from typing import Any
 
 import msgpack
 
+from weightcache.errors import ProjectError
+
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 MAX_FDS = 16
@@ -70,7 +72,7 @@ UPDATE_COMMANDS = (
 FD_COMMANDS = frozenset({"update_stage"})
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(ProjectError, RuntimeError):
     """The peer sent something that is not a valid frame; the connection must be closed."""
 
     def __init__(self, code: str, message: str) -> None:
