@@ -47,7 +47,7 @@ class Runtime(ABC):
     """A daemon implementation the agent can supervise."""
 
     name: ClassVar[str]
-    _model_override: str | None = None  # set by an in-place update (agent/updates.py)
+    _model_override: str | None = None  # set by an in-place update (agent/update_rpc.py)
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg

@@ -213,7 +213,7 @@ def test_wheel_stage_builds_from_the_docker_context(tmp_path):
         "weightcache/agent/main.py",
         "weightcache/contracts/proto/agent.proto",
         "weightcache/contracts/ranks.py",
-        "weightcache/native/daemon.py",
+        "weightcache/native/daemon/__main__.py",
         "weightcache/client.py",
         "weightcache/operator/main.py",
         "weightcache/operator/admission/__init__.py",

@@ -126,7 +126,11 @@ def _pick(explicit: Any, env: Any, default: Any) -> Any:
 
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
-class RankPlan:
+class ExpectedShard:
+    """What this engine expects its rank's daemon to serve, computed from the checkpoint
+    itself: the layout and fingerprint it will compare the daemon's answer with, and the
+    device identity whose socket it asks (not `shared.rankplan`, which plans the shard)."""
+
     layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
@@ -142,7 +146,7 @@ def plan_rank(
     tp_rank: int,
     shard_rules: list[str] | None,
     dtype: str,
-) -> RankPlan:
+) -> ExpectedShard:
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
@@ -154,11 +158,11 @@ def plan_rank(
     layout, fingerprint = plan_rank_shard(
         ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, content=claim
     )
-    return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
+    return ExpectedShard(layout, fingerprint, device_identity(device.type, device_index), device)
 
 
 def _from_cache(
-    plan: RankPlan, path: Path, **kw: Any
+    plan: ExpectedShard, path: Path, **kw: Any
 ) -> tuple[dict[str, torch.Tensor], int, int | None]:
     """The cache path; whatever a daemon (or a lying peer) answers, a WeightCacheError."""
     try:
@@ -169,7 +173,7 @@ def _from_cache(
         raise CacheProtocolError(f"unusable reply: {type(exc).__name__}: {exc}") from None
 
 
-def _check_table(plan: RankPlan, reply: dict[str, Any]) -> None:
+def _check_table(plan: ExpectedShard, reply: dict[str, Any]) -> None:
     """The daemon's table must be exactly the layout we computed from the checkpoint
     ourselves: anything else is a partial or foreign shard, never served."""
     table, aliases = reply.get("tensors"), reply.get("aliases") or {}
@@ -197,7 +201,7 @@ def _check_unchanged(sock: socket.socket, generation: Any) -> None:
 
 
 def _from_cache_unchecked(
-    plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
+    plan: ExpectedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
 ) -> tuple[dict[str, torch.Tensor], int, int | None]:
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:

@@ -71,7 +71,7 @@ def _fail(code: int, error: str, message: str) -> int:
 def _cuda_problem(device: str) -> str | None:
     if not device.startswith("cuda"):
         return None
-    import torch
+    import torch  # --device cuda only; attach() imports it anyway, after the usage checks
 
     if not torch.cuda.is_available():
         return (f"--device {device}: no CUDA device is visible here (torch "

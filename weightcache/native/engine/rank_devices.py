@@ -25,7 +25,7 @@ log = logging.getLogger("weightcache.native.engine.rank_devices")
 def visible_identities(kind: str = "cuda", count: int | None = None) -> list[str]:
     """Identities of this process's devices in index order (torch's view, after remapping)."""
     if kind == "cuda":
-        import torch
+        import torch  # cuda only: for cpu the caller gives the count
 
         count = torch.cuda.device_count() if count is None else count
     elif count is None:

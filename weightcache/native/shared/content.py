@@ -42,6 +42,8 @@ from typing import Any
 
 from weightcache.errors import ProjectError
 
+from .checkpoint import CheckpointError, open_checkpoint
+
 CHUNK_BYTES = 256 * 1024
 DIGEST_BYTES = 16
 SAMPLES_PER_FILE = 2  # at least this many chunks of every file (all of a smaller file)
@@ -291,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", required=True, help="safetensors checkpoint directory")
     args = p.parse_args(argv)
-    from .checkpoint import CheckpointError, open_checkpoint
-
     try:
         ckpt = open_checkpoint(args.model)
         digests = digest_files(ckpt.files)

@@ -79,13 +79,13 @@ def visible_device_count() -> int:
                 return int(count)
     except Exception:  # no cuda-python, or no driver: ask torch as before
         pass
-    import torch
+    import torch  # only without cuda-python: the agent and launcher import this torch-free
 
     return torch.cuda.device_count()
 
 
 def _torch_uuid(index: int) -> str | None:
-    import torch
+    import torch  # a fallback; this module stays torch-free for the agent and launcher
 
     props = torch.cuda.get_device_properties(index)
     raw = getattr(props, "uuid", None)
@@ -120,7 +120,7 @@ def device_index(device) -> int:
     """CUDA ordinal of `device` in this process (default: the current device)."""
     if isinstance(device, int):
         return device
-    import torch
+    import torch  # callers with a torch device have torch; the agent passes ints
 
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":
