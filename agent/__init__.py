@@ -5,10 +5,9 @@ launcher (`runtimes/`: `vllm preload` or the native `weightcache preload`), supe
 ranks (`supervisor`), and serves gRPC status and health (`grpc_service`), HTTP probes
 (`health`) and Prometheus metrics (`metrics`).
 
-May import: `weightcache.constants`, `weightcache.api` (the plan's typed spec),
-`weightcache.contracts`, `weightcache.errors`, and the torch-free modules of
-`weightcache.native` (protocol, identity, gpu, security, lifetime: the socket protocol, device
-identities and socket-directory checks the daemons use, so both sides check the same way).
-Never the operator, `bench` or `testing`: agents and the operator meet only through the plan
-and the gRPC API. (`client` is the deprecated engine import, a re-export of the native client.)
+What it may import is stated once, in `.importlinter` (docs/interfaces.md, "Packages"): the
+typed API (`weightcache.api`, the plan's spec), contracts, errors, and the native cache's own
+checks (socket protocol, device identities, socket-directory checks, the update coordinator) so
+that both sides check the same way, and only modules of it that import no torch. (`client` is
+the deprecated engine import, a re-export.)
 """

@@ -6,8 +6,8 @@ it will be removed in a later minor version. The node agent itself never imports
 
 import warnings
 
-from weightcache.native.client import *  # noqa: F403
-from weightcache.native.client import __all__  # noqa: F401
+from weightcache.native.engine.attach import *  # noqa: F403
+from weightcache.native.engine.attach import __all__  # noqa: F401
 
 warnings.warn(
     "weightcache.agent.client is deprecated; import weightcache.client instead",

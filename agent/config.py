@@ -18,8 +18,8 @@ from weightcache import constants
 from weightcache.api.v1alpha1 import Ports, WeightCacheSpec
 from weightcache.contracts.plan import MAX_PLAN_BYTES, Plan, PlanError
 from weightcache.errors import ProjectError
-from weightcache.native.gpu import canonical_identity
-from weightcache.native.identity import cpu_identity
+from weightcache.native.shared.gpu import canonical_identity
+from weightcache.native.shared.identity import cpu_identity
 
 
 class ConfigError(ProjectError):

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import State, Supervisor
-from weightcache.agent.updates import ABORT, ALL, COMMIT, PAUSE, PREPARE, AgentUpdater
+from weightcache.agent.update_rpc import ABORT, ALL, COMMIT, PAUSE, PREPARE, AgentUpdater
 from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("weightcache.agent.grpc")

@@ -28,7 +28,7 @@ from weightcache.agent.supervisor import (
     Policy,
     Supervisor,
 )
-from weightcache.native import security
+from weightcache.native.shared import security
 
 log = logging.getLogger("weightcache.agent")
 

@@ -25,7 +25,8 @@ from prometheus_client.registry import Collector
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import Snapshot, State, Supervisor
-from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
+from weightcache.native.shared import protocol
+from weightcache.native.shared.fingerprint import FIELDS as FINGERPRINT_FIELDS
 
 # Every cache series names the cache, its namespace and the node; rank series also carry the
 # GPU as DCGM exporter labels it (`UUID`, `Hostname`), so they join with DCGM_FI_DEV_* series
@@ -33,9 +34,7 @@ from weightcache.native.fingerprint import FIELDS as FINGERPRINT_FIELDS
 CACHE_LABELS = ["cache", "namespace", "node"]
 RANK_LABELS = [*CACHE_LABELS, "rank", "tp_rank", "dp_rank", "gpu_uuid", "role", "UUID", "Hostname"]
 # Daemon results folded into three values so a misbehaving peer cannot grow label sets.
-KNOWN_COMMANDS = frozenset({"hello", "get_state", "get_memory", "release", "watch", "stats",
-                            "get_table", "update_stage", "update_pause", "update_write",
-                            "update_finish", "update_abort"})
+KNOWN_COMMANDS = frozenset((*protocol.COMMANDS, *protocol.UPDATE_COMMANDS))
 UPDATE_RESULTS = frozenset({"ok", "refused", "timeout", "aborted", "failed"})
 # Mismatch labels: the fingerprint's fixed fields; anything else a daemon reports is `other`.
 MISMATCH_FIELDS = frozenset(FINGERPRINT_FIELDS)

@@ -42,7 +42,7 @@ from weightcache.contracts.vocabulary import (  # noqa: F401  (re-exported for m
     EXIT_RUNTIME,
 )
 from weightcache.errors import ProjectError
-from weightcache.native.lifetime import exiting_with_parent
+from weightcache.native.daemon.lifetime import exiting_with_parent
 
 log = logging.getLogger("weightcache.agent.supervisor")
 

@@ -7,7 +7,7 @@ Pure functions over plain data, so the rules are unit-tested without an API serv
   going elsewhere never reshuffle a group; a lost node's rank goes to the first eligible
   spare (by name), and the caller restarts the whole group with a new epoch;
 - what each GPU serves is not decided here: the plan carries the layout, and every reader
-  derives the ranks with the one formula of weightcache.contracts.ranks (vLLM's global rank
+  derives the ranks with the one formula of weightcache.contracts.layout (vLLM's global rank
   `r * per_node + i`, TP rank `g % tp`, DP rank `g // tp`).
 """
 

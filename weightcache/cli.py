@@ -10,10 +10,13 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "preload": ("weightcache.native.launcher", "native weight cache daemon (one rank per device)"),
-    "attach": ("weightcache.native.attach", "attach like a restarting engine, print one JSON line"),
-    "update": ("weightcache.native.update_group", "update running daemons in place to a new model"),
-    "digest": ("weightcache.native.content", "full content digest of a checkpoint (for an audit)"),
+    "preload": ("weightcache.native.daemon.launcher",
+                "native weight cache daemon (one rank per device)"),
+    "attach": ("weightcache.native.engine.attach_command",
+               "attach like a restarting engine, print one JSON line"),
+    "update": ("weightcache.native.coordinator", "update running daemons in place to a new model"),
+    "digest": ("weightcache.native.shared.content",
+               "full content digest of a checkpoint (for an audit)"),
     "bench": ("weightcache.bench.report", "benchmarks: attach vs. disk load, operator, admission"),
     "demo": ("weightcache.bench.demo", "end-to-end demo on a generated checkpoint"),
     "agent": ("weightcache.agent.main", "node agent: supervise daemon ranks, gRPC, metrics"),

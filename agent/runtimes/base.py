@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from weightcache.agent.config import AgentConfig, Device
-from weightcache.native.security import socket_refusal
+from weightcache.native.shared.security import socket_refusal
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Runtime(ABC):
     """A daemon implementation the agent can supervise."""
 
     name: ClassVar[str]
-    _model_override: str | None = None  # set by an in-place update (agent/updates.py)
+    _model_override: str | None = None  # set by an in-place update (agent/update_rpc.py)
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
@@ -104,7 +104,7 @@ class Runtime(ABC):
 def socket_is_ours(path: str, private_dir: str) -> str | None:
     """Why `path` must not be talked to, or None when it is a socket we own in our dir.
 
-    The daemons' own checks (weightcache.native.security: lstat, owner uid, no symlinks,
+    The daemons' own checks (weightcache.native.shared.security: lstat, owner uid, no symlinks,
     private directory), so the agent never sends a request to a socket another user could
     have planted.
     """

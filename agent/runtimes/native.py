@@ -5,8 +5,8 @@ The launcher takes vLLM's parallel flags, so local device i of node r serves glo
 no rendezvous (each computes its shard from the checkpoint), so the agent passes
 `--nnodes/--node-rank` for groups spanning nodes and the DP placement flags for data
 parallelism, and no master address or port. Each rank serves on
-`<socket dir>/<device identity>.sock` (weightcache.native.identity). Its sockets speak the
-msgpack protocol of weightcache.native.protocol, so the agent can also read each rank's
+`<socket dir>/<device identity>.sock` (weightcache.native.shared.identity). Its sockets speak the
+msgpack protocol of weightcache.native.shared.protocol, so the agent can also read each rank's
 `stats` (requests, mismatches, attach histogram, watchers) for Prometheus.
 
 Native shards follow tensor-parallel shard rules only: a dense model's DP replicas hold the
@@ -25,9 +25,9 @@ from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, http_json, socket_is_ours
 from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
 from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
-from weightcache.native import protocol
-from weightcache.native.identity import socket_path as native_socket_path
-from weightcache.native.lifetime import python_module
+from weightcache.native.daemon.lifetime import python_module
+from weightcache.native.shared import protocol
+from weightcache.native.shared.identity import socket_path as native_socket_path
 
 
 def node_layout(cfg: AgentConfig) -> Layout:

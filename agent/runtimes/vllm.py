@@ -4,7 +4,7 @@ The flags follow vLLM's own launcher (vllm/entrypoints/cli/preload.py and
 weight_cache/daemon.py, vLLM 0.33):
 - Global ranks enumerate DP then TP; node `r` serves the contiguous block
   `r * local_world .. r * local_world + local_world - 1`, local GPU `i` taking
-  `dp_rank = g // tp`, `tp_rank = g % tp` (`Plan.local_ranks`, weightcache.contracts.ranks).
+  `dp_rank = g // tp`, `tp_rank = g % tp` (`Plan.local_ranks`, weightcache.contracts.layout).
 - DP = 1: multi-node TP uses `--nnodes/--node-rank/--master-addr`.
 - DP > 1 with whole DP ranks on each node: the DP placement flags
   (`--data-parallel-size-local`, `--data-parallel-start-rank`, `--data-parallel-address`);

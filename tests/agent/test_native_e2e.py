@@ -19,16 +19,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.agent.plans import make_plan
 from weightcache.contracts.proto import agent_pb2
-from weightcache.native import protocol
-from weightcache.native.identity import cpu_identity
+from weightcache.native.shared import protocol
+from weightcache.native.shared.identity import cpu_identity
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def shard_bytes(ckpt: Path, tp: int) -> list[int]:
-    from weightcache.native.checkpoint import open_checkpoint, tied_aliases
-    from weightcache.native.loader import plan_layout
-    from weightcache.native.sharding import parse_rules
+    from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
+    from weightcache.native.shared.loader import plan_layout
+    from weightcache.native.shared.sharding import parse_rules
 
     c = open_checkpoint(str(ckpt))
     aliases = tied_aliases(c)
@@ -198,7 +198,7 @@ def test_a_stopped_rank_is_not_ready_within_seconds_and_restarted(agents, checkp
 def test_status_shows_bytes_loaded_while_ranks_load(agents, checkpoint):
     """While ranks hold loaded shards unbound, Status is LOADING with their bytes so far (from
     the launcher's /health), so a long load is seen moving; READY then keeps the bytes."""
-    from weightcache.native.daemon import BIND_DELAY_ENV
+    from weightcache.native.daemon.config import BIND_DELAY_ENV
 
     plan = make_plan(runtime="native", tensor=2, model=str(checkpoint), epoch=1,
                      spec_extra={"device": "cpu"})

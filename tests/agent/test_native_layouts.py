@@ -16,9 +16,9 @@ from weightcache.agent.supervisor import EXIT_CONFIG
 from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.contracts.layout import Layout
 from weightcache.contracts.proto import agent_pb2
-from weightcache.native import launcher as preload
-from weightcache.native.client import attach
-from weightcache.native.identity import cpu_identity
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import attach
+from weightcache.native.shared.identity import cpu_identity
 from weightcache.operator import resources, spec
 
 SOCK = "/var/run/weightcache/default/llama"

@@ -16,7 +16,7 @@ import pytest
 
 from tests.agent.plans import make_plan
 from weightcache.contracts.proto import agent_pb2
-from weightcache.native.client import attach
+from weightcache.native.engine.attach import attach
 from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkpoint
 
 from .test_native_e2e import hello

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from weightcache.contracts import alignment as al
-from weightcache.contracts.ranks import ParallelFlags, plan_local_ranks
+from weightcache.contracts.layout import Layout
 
 
 def uuids(n: int) -> list[str]:
@@ -28,13 +28,13 @@ def uuids(n: int) -> list[str]:
 
 def node_map(gpus: int, tp: int) -> dict[str, al.Holding]:
     """The daemons' layout on one node filled with TP replicas (the project's rank formula)."""
-    flags = ParallelFlags(tensor_parallel_size=tp, data_parallel_size=gpus // tp)
+    layout = Layout(tensor=tp, data=gpus // tp)
     ids = uuids(gpus)
     return {
         ids[r.local]: al.Holding(uuid=ids[r.local], tp_rank=r.tp_rank, tp_size=tp,
                                  dp_rank=r.dp_rank, replica=r.local // tp,
                                  global_rank=r.global_rank, sockets={"target": "x.sock"})
-        for r in plan_local_ranks(flags)
+        for r in layout.local_ranks()
     }
 
 
@@ -161,7 +161,7 @@ def test_visible_from_env_and_smi() -> None:
 
 
 def test_native_client_rank_devices(tmp_path) -> None:
-    from weightcache.native import alignment as native
+    from weightcache.native.engine import rank_devices as native
 
     gpus = node_map(8, 4)
     ids = uuids(8)
@@ -175,7 +175,7 @@ def test_native_client_rank_devices(tmp_path) -> None:
 
 
 def test_uuid_spellings_match_the_agents_canonical_form() -> None:
-    from weightcache.native.gpu import normalize_uuid
+    from weightcache.native.shared.gpu import normalize_uuid
 
     for raw in ("GPU-3F0C1A2B-1111-2222-3333-444455556666", "3f0c1a2b111122223333444455556666",
                 "GPU-3f0c1a2b-1111-2222-3333-444455556666"):

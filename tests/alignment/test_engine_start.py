@@ -248,7 +248,7 @@ def test_mig_devices_are_left_alone(node: Any) -> None:
 
 
 def test_native_client_reports_once(node: Any, monkeypatch: Any) -> None:
-    from weightcache.native import alignment as native
+    from weightcache.native.engine import rank_devices as native
 
     n = node(2)
     n.publish()

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightcache.contracts.layout import Layout
-from weightcache.contracts.ranks import ParallelFlags, RankLayoutError, plan_local_ranks
+from weightcache.contracts.layout import Layout, RankLayoutError
 
 sizes = st.integers(min_value=-2, max_value=64)
 optional = st.none() | st.integers(min_value=-2, max_value=64)
@@ -51,26 +50,6 @@ def test_short_aliases_are_vllms() -> None:
     assert Layout.from_args(ns) == Layout(
         tensor=4, data=2, nodes=2, node_rank=1, data_local=1, data_start=1, expert=True
     )
-
-
-@given(layouts)
-def test_local_ranks_match_the_launcher_rule(layout: Layout) -> None:
-    flags = ParallelFlags(
-        tensor_parallel_size=layout.tensor,
-        data_parallel_size=layout.data,
-        nnodes=layout.nodes,
-        node_rank=layout.node_rank,
-        data_parallel_size_local=layout.data_local,
-        data_parallel_start_rank=layout.data_start,
-    )
-    try:
-        expected = plan_local_ranks(flags)
-    except RankLayoutError as exc:
-        with pytest.raises(RankLayoutError) as got:
-            layout.local_ranks()
-        assert (got.value.flag, str(got.value)) == (exc.flag, str(exc))
-    else:
-        assert layout.local_ranks() == expected
 
 
 def test_error_names_the_flag() -> None:

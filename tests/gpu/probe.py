@@ -20,7 +20,7 @@ def _verify(model: str, state: dict, device) -> bool:
     import torch
     from safetensors.torch import load_file
 
-    from weightcache.native.checkpoint import open_checkpoint
+    from weightcache.native.shared.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model)
     for path in ckpt.files:
@@ -32,7 +32,7 @@ def _verify(model: str, state: dict, device) -> bool:
 
 def _wait_daemon_gone(sock_path: str, timeout: float) -> bool:
     """Open a `watch` connection and wait for the daemon to close it (it exits)."""
-    from weightcache.native import protocol as proto
+    from weightcache.native.shared import protocol as proto
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(sock_path)
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     try:
         import torch
 
-        from weightcache.native.client import WeightCacheError, attach
+        from weightcache.native.engine.attach import WeightCacheError, attach
 
         device = torch.device(args.device)
         torch.cuda.init()

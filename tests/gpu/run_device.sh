@@ -58,11 +58,11 @@ while [ $# -gt 0 ]; do
       rm -rf "$WORK"
       ;;
     update)
-      # In-place update vs rolling restart (weightcache/bench/update.py): two revisions of one
+      # In-place update vs rolling restart (weightcache/bench/update_vs_restart.py): two revisions of one
       # shape, e.g. `update 8b` (2 x 16 GB on disk).
       SIZE=${2:-8b}; shift 2 || shift
       WORK=/var/tmp/wc-update; mkdir -p "$WORK"
-      timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.bench.update --device cuda \
+      timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.bench.update_vs_restart --device cuda \
         --size "$SIZE" --workdir "$WORK" --out "$OUT/bench_update.json" 2>&1 | tee "$OUT/bench_update.log"
       rm -rf "$WORK"
       ;;

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from weightcache.contracts import alignment as al
-from weightcache.native import alignment as native_alignment
-from weightcache.native.identity import device_identity
+from weightcache.native.engine import rank_devices as native_alignment
+from weightcache.native.shared.identity import device_identity
 
 pytestmark = pytest.mark.gpu
 OTHER = "GPU-00000000-1111-2222-3333-444444444444"  # a GPU this process does not see
@@ -68,7 +68,7 @@ def test_engine_interpreter_gets_the_mapped_gpu_as_cuda0(socket_dir: Path) -> No
     real = device_identity("cuda", 0)
     publish(socket_dir, real, 0)
     probe = ("import json, os, sys, torch\n"
-             "from weightcache.native.identity import device_identity\n"
+             "from weightcache.native.shared.identity import device_identity\n"
              "json.dump({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), "
              "'count': torch.cuda.device_count(), 'cuda0': device_identity('cuda', 0)}, "
              "open(sys.argv[1], 'w'))\n")

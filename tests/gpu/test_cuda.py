@@ -16,11 +16,11 @@ import weakref
 import pytest
 import torch
 
-from weightcache.native import coldload, gpu, identity
-from weightcache.native.checkpoint import open_checkpoint
-from weightcache.native.loader import load_into_arena, plan_layout
-from weightcache.native.sharding import parse_rules
-from weightcache.native.transport import TransportError, _cuda, get_transport
+from weightcache.native.shared import coldload, gpu, identity
+from weightcache.native.shared.checkpoint import open_checkpoint
+from weightcache.native.shared.loader import load_into_arena, plan_layout
+from weightcache.native.shared.sharding import parse_rules
+from weightcache.native.shared.transport import TransportError, _cuda, get_transport
 
 from .conftest import PROBE, run_probe
 
@@ -55,7 +55,7 @@ def test_device_uuid_and_visible_devices_remap():
     uuid = gpu.device_uuid(0)
     assert uuid == gpu.normalize_uuid(uuid)
     assert identity.device_identity("cuda", 0) == uuid  # socket names use the same identity
-    code = "from weightcache.native import gpu; print(gpu.device_uuid(0))"
+    code = "from weightcache.native.shared import gpu; print(gpu.device_uuid(0))"
     for visible in (uuid, uuid[:12], os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -111,7 +111,7 @@ def test_vmm_refuses_another_gpus_arena():
 
 @pytest.mark.parametrize("preflight", ["1", "0"])
 def test_legacy_ipc_in_one_process_fails_cleanly(monkeypatch, preflight):
-    from weightcache.native.transport.cuda_ipc import IpcIsolationError
+    from weightcache.native.shared.transport.cuda_ipc import IpcIsolationError
 
     monkeypatch.setenv("WEIGHTCACHE_IPC_PREFLIGHT", preflight)
     transport = get_transport("cuda_ipc")
@@ -160,7 +160,7 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
     else:
         # Copy mode leaves the daemon's arena in place for later engines (docs/native.md,
         # "Release"): the daemon still holds it, and the next engine is served from it.
-        from weightcache.native.client import query
+        from weightcache.native.engine.attach import query
 
         assert query(daemon.socket, "get_memory")["bytes"] == nbytes
         held1 = process_gpu_bytes(daemon.proc.pid)
@@ -172,7 +172,7 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
 
 
 def test_release_and_exit_give_memory_back(daemon_factory, medium_model):
-    from weightcache.native.client import query
+    from weightcache.native.engine.attach import query
 
     torch.empty(1, device=DEV)
     base = free_bytes()
@@ -214,7 +214,7 @@ def test_release_of_a_cuda_ipc_arena_is_refused_once_engines_map_it(daemon_facto
                                                                     medium_model):
     """Legacy CUDA IPC memory freed by its exporter is gone for its importers too: once an
     engine attached zero_copy, `release` answers `busy` and the arena stays."""
-    from weightcache.native.client import query
+    from weightcache.native.engine.attach import query
 
     daemon = daemon_factory(medium_model, "cuda_ipc")
     code, report = run_probe(medium_model, daemon.socket, "zero_copy")

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache.native import coldload, gpu
-from weightcache.native.checkpoint import open_checkpoint
-from weightcache.native.loader import load_into_arena, plan_layout
-from weightcache.native.sharding import parse_rules
-from weightcache.native.transport import (
+from weightcache.native.shared import coldload, gpu
+from weightcache.native.shared.checkpoint import open_checkpoint
+from weightcache.native.shared.loader import load_into_arena, plan_layout
+from weightcache.native.shared.sharding import parse_rules
+from weightcache.native.shared.transport import (
     TransportError,
     TransportUnavailableError,
     available_transports,
@@ -80,7 +80,7 @@ def test_attach_never_leaks_fds_it_was_given(name):
 
 
 def test_ipc_preflight_names_the_isolation_problem(monkeypatch):
-    from weightcache.native.transport import cuda_ipc
+    from weightcache.native.shared.transport import cuda_ipc
 
     with pytest.raises(cuda_ipc.IpcIsolationError, match=r"PID .* equals .*cuda_vmm"):
         cuda_ipc.preflight({"pid": os.getpid()})
@@ -91,7 +91,7 @@ def test_ipc_preflight_names_the_isolation_problem(monkeypatch):
 
 def test_ipc_handle_round_trips_through_hex():
     pytest.importorskip("cuda.bindings.driver")
-    from weightcache.native.transport import cuda_ipc
+    from weightcache.native.shared.transport import cuda_ipc
 
     raw = bytes(range(64))
     handle = cuda_ipc._handle_from(raw)
@@ -110,7 +110,7 @@ def test_transport_modules_import_without_cuda_python():
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
         import torch
-        from weightcache.native.transport import cuda_vmm, cuda_ipc, _cuda, default_transport
+        from weightcache.native.shared.transport import cuda_vmm, cuda_ipc, _cuda, default_transport
         assert not _cuda.bindings_importable()
         assert not cuda_vmm.TRANSPORT.available(torch.device("cuda", 0))
         assert not cuda_ipc.TRANSPORT.available(torch.device("cuda", 0))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightcache.client import attach, follow_updates
-from weightcache.native.update_group import update_group
+from weightcache.native.coordinator import update_group
 
 from .conftest import write_checkpoint
 

@@ -24,7 +24,7 @@ from weightcache.testing.processes import Preload
 NOBODY = 65534
 ENGINE = f"""
 import json, os, sys
-from weightcache.native.client import attach
+from weightcache.native.engine.attach import attach
 os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
 res = attach(sys.argv[1], socket_dir=sys.argv[2], fallback=True)
 print(json.dumps({{"uid": os.getuid(), "source": res.source, "reason": res.reason}}))

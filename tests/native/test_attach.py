@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from weightcache.native import client
-from weightcache.native.client import (
+from weightcache.native.engine import attach as client
+from weightcache.native.engine.attach import (
     FingerprintMismatchError,
     NotReadyError,
     attach,
@@ -23,7 +23,7 @@ from weightcache.native.client import (
     materialize,
     query,
 )
-from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.checkpoints import TINY
 
 from .conftest import copy_checkpoint, private_dir
@@ -269,9 +269,9 @@ def test_unusual_tensors_round_trip_through_the_layout(tmp_path):
     """Scalars, empty tensors, odd sizes, integer/bool/fp8 dtypes: views land where they should."""
     from safetensors.torch import save_file
 
-    from weightcache.native.checkpoint import open_checkpoint
-    from weightcache.native.loader import load_into_arena, plan_layout, tensors_from_table
-    from weightcache.native.sharding import parse_rules
+    from weightcache.native.shared.checkpoint import open_checkpoint
+    from weightcache.native.shared.loader import load_into_arena, plan_layout, tensors_from_table
+    from weightcache.native.shared.sharding import parse_rules
 
     tensors = {
         "scalar": torch.tensor(3.5, dtype=torch.float64),

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache.native import launcher as preload
-from weightcache.native.checkpoint import INDEX_NAME, CheckpointError, open_checkpoint
-from weightcache.native.client import attach
-from weightcache.native.sharding import ShardingError, parse_rule, parse_rules, plan_shard
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import attach
+from weightcache.native.shared.checkpoint import INDEX_NAME, CheckpointError, open_checkpoint
+from weightcache.native.shared.sharding import ShardingError, parse_rule, parse_rules, plan_shard
 
 
 def run_preload(caplog, *args: str) -> tuple[int, str]:

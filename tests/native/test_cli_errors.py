@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache.native import launcher
-from weightcache.native.attach import build_parser as attach_parser
-from weightcache.native.daemon import BIND_DELAY_ENV
-from weightcache.native.identity import cpu_identity, socket_path
-from weightcache.native.lifetime import exiting_with_parent, python_module
+from weightcache.native.daemon import launcher
+from weightcache.native.daemon.config import BIND_DELAY_ENV
+from weightcache.native.daemon.lifetime import exiting_with_parent, python_module
+from weightcache.native.engine.attach_command import build_parser as attach_parser
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.processes import weightcache_cmd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_attach_while_the_daemon_loads_says_loading(ckpt, sock_dir, preload):
 
 
 def test_stale_lock_file_is_not_a_loading_daemon(ckpt, sock_dir):
-    from weightcache.native.presence import loading_daemon
+    from weightcache.native.shared.presence import loading_daemon
 
     path = socket_path(sock_dir, cpu_identity(0))
     Path(f"{path}.lock").write_text("12345\n")  # left by a daemon killed outright

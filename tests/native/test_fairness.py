@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from weightcache.native import limits
-from weightcache.native import protocol as proto
-from weightcache.native.client import attach, query
+from weightcache.native.engine.attach import attach, query
+from weightcache.native.shared import limits
+from weightcache.native.shared import protocol as proto
 
 from .conftest import raw_connect
 

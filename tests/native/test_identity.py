@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightcache.native import content
-from weightcache.native.checkpoint import read_header
-from weightcache.native.client import FingerprintMismatchError, attach, query
+from weightcache.native.engine.attach import FingerprintMismatchError, attach, query
+from weightcache.native.shared import content
+from weightcache.native.shared.checkpoint import read_header
 
 from .test_attach import reference
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightcache.contracts.ranks import ParallelFlags, RankLayoutError, plan_local_ranks
-from weightcache.native import launcher as preload
-from weightcache.native.client import FingerprintMismatchError, attach, query
-from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.contracts.layout import Layout, RankLayoutError
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import FingerprintMismatchError, attach, query
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.processes import run_attach, weightcache_cmd
 
 from .conftest import private_dir
@@ -41,8 +41,16 @@ def manual_shard(full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str,
 two_devices = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 
 
+def _layout(**kw: int) -> Layout:
+    """A layout from the launcher's flags under vLLM's names (unset ones at their defaults)."""
+    names = {"tensor_parallel_size": "tensor", "data_parallel_size": "data", "nnodes": "nodes",
+             "node_rank": "node_rank", "data_parallel_size_local": "data_local",
+             "data_parallel_start_rank": "data_start"}
+    return Layout(**{names[k]: v for k, v in kw.items()})
+
+
 def places(**kw: int) -> list[tuple[int, int, int]]:
-    return [(p.global_rank, p.tp_rank, p.dp_rank) for p in plan_local_ranks(ParallelFlags(**kw))]
+    return [(p.global_rank, p.tp_rank, p.dp_rank) for p in _layout(**kw).local_ranks()]
 
 
 @two_devices
@@ -161,7 +169,7 @@ def test_layout_rules_follow_vllm():
 ])
 def test_bad_layouts_name_the_flag(flags, flag, message):
     with pytest.raises(RankLayoutError) as info:
-        plan_local_ranks(ParallelFlags(**flags))
+        _layout(**flags).local_ranks()
     assert info.value.flag == flag and message in str(info.value)
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native import protocol as proto
-from weightcache.native.client import DaemonUnavailableError, attach, query
-from weightcache.native.daemon import BIND_DELAY_ENV
-from weightcache.native.identity import cpu_identity, socket_path
-from weightcache.native.security import SocketLock
+from weightcache.native.daemon.config import BIND_DELAY_ENV
+from weightcache.native.engine.attach import DaemonUnavailableError, attach, query
+from weightcache.native.shared import protocol as proto
+from weightcache.native.shared.identity import cpu_identity, socket_path
+from weightcache.native.shared.security import SocketLock
 
 from .conftest import raw_connect
 

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from weightcache.native.client import query
+from weightcache.native.engine.attach import query
 
 from .test_lifecycle import http_status
 

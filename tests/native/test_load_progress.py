@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcache.native.checkpoint import open_checkpoint, tied_aliases
-from weightcache.native.coldload import direct_mode, drop_page_cache, load_entries
-from weightcache.native.daemon import BIND_DELAY_ENV
-from weightcache.native.loader import load_into_arena, plan_layout, tensors_from_table
-from weightcache.native.progress import Counter, ProgressPrinter, describe, eta_seconds
-from weightcache.native.residency import resident, resident_pages
-from weightcache.native.sharding import parse_rules
+from weightcache.native.daemon.config import BIND_DELAY_ENV
+from weightcache.native.daemon.progress import Counter, ProgressPrinter, describe, eta_seconds
+from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
+from weightcache.native.shared.coldload import direct_mode, drop_page_cache, load_entries
+from weightcache.native.shared.loader import load_into_arena, plan_layout, tensors_from_table
+from weightcache.native.shared.residency import resident, resident_pages
+from weightcache.native.shared.sharding import parse_rules
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 
 from .test_lifecycle import http_status
@@ -184,7 +184,7 @@ def test_health_shows_bytes_loaded_and_ready_carries_the_rate(ckpt, sock_dir, pr
 
 
 def test_prefetcher_warms_files_in_order_and_skips_resident_ranges(tmp_path):
-    from weightcache.native.prefetch import Prefetcher
+    from weightcache.native.daemon.prefetch import Prefetcher
 
     files = []
     for name in ("b.safetensors", "a.safetensors"):

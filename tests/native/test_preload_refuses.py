@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.processes import Preload, weightcache_cmd
 
 from .test_robustness import mutated_file, safetensors_reads

@@ -11,8 +11,8 @@ import time
 import msgpack
 import pytest
 
-from weightcache.native import protocol as proto
-from weightcache.native.client import query
+from weightcache.native.engine.attach import query
+from weightcache.native.shared import protocol as proto
 
 from .conftest import raw_connect
 

@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from weightcache.native import protocol as proto
-from weightcache.native.checkpoint import CheckpointError, open_checkpoint
-from weightcache.native.client import WeightCacheError, attach
+from weightcache.native.engine.attach import WeightCacheError, attach
+from weightcache.native.shared import protocol as proto
+from weightcache.native.shared.checkpoint import CheckpointError, open_checkpoint
 
 # Applied per test (not as a global profile, which would change every other hypothesis test
 # in the session): HYPOTHESIS_PROFILE=fuzz (`make fuzz`) runs 3,000 examples per property.

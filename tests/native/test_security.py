@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native import launcher as preload
-from weightcache.native import protocol as proto
-from weightcache.native.client import CacheSecurityError, attach, query
-from weightcache.native.identity import cpu_identity, socket_path
-from weightcache.native.security import SecurityError, check_dir, prepare_socket_dir
+from weightcache.native.daemon import launcher as preload
+from weightcache.native.engine.attach import CacheSecurityError, attach, query
+from weightcache.native.shared import protocol as proto
+from weightcache.native.shared.identity import cpu_identity, socket_path
+from weightcache.native.shared.security import SecurityError, check_dir, prepare_socket_dir
 
 from .conftest import as_uid, private_dir, raw_connect
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native.daemon import BIND_DELAY_ENV
-from weightcache.native.identity import cpu_identity, socket_path
+from weightcache.native.daemon.config import BIND_DELAY_ENV
+from weightcache.native.shared.identity import cpu_identity, socket_path
 
 from .test_lifecycle import pid_alive
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from weightcache.client import ModelGate, follow_updates, push_update
-from weightcache.native import protocol as proto
-from weightcache.native.client import attach, query
-from weightcache.native.identity import cpu_identity, socket_path
-from weightcache.native.update_group import UpdateFailed, discover, update_group
+from weightcache.native.coordinator import UpdateError, discover, update_group
+from weightcache.native.engine.attach import attach, query
+from weightcache.native.shared import protocol as proto
+from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkpoint
 from weightcache.testing.processes import weightcache_cmd
 
@@ -51,7 +51,7 @@ def update_here(sock_dir: Path, model: Path, **options) -> tuple[int, dict]:
     """What `weightcache update` does, in this process (saves an interpreter start)."""
     try:
         return 0, update_group(discover(sock_dir), model=str(model), **options)
-    except UpdateFailed as exc:
+    except UpdateError as exc:
         return 1, {"error": exc.code, "message": str(exc), "broken": exc.broken, **exc.detail}
 
 
@@ -350,7 +350,7 @@ def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock
     hold two revisions at once. After copying, the client asks the daemon again: the copy is
     whole only if the generation `get_state` served is still served and no write is under way
     (`_check_unchanged`, on the real daemon's `hello`)."""
-    from weightcache.native.client import CacheProtocolError, _check_unchanged
+    from weightcache.native.engine.attach import CacheProtocolError, _check_unchanged
 
     res = attach(ckpt, socket_dir=sock_dir, mode="copy", fallback=False)
     assert res.source == "cache" and res.generation == 1

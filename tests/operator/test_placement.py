@@ -1,7 +1,7 @@
 """The planned rank layout against vLLM's, and sticky ranks under node churn.
 
 The ranks are read back from the placement plan the operator writes (`Plan.local_ranks`, the
-one rank formula of weightcache.contracts.ranks), so they are what every agent serves.
+one rank formula of weightcache.contracts.layout), so they are what every agent serves.
 """
 
 from __future__ import annotations

@@ -329,11 +329,11 @@ def coldload_runs(model: Path, configs: list[dict[str, Any]], cold: bool) -> lis
     """The daemon's loader filling a VMM arena, in this process (no daemon start costs)."""
     import torch
 
-    from weightcache.native.checkpoint import open_checkpoint, tied_aliases
-    from weightcache.native.coldload import drop_page_cache, load_layout
-    from weightcache.native.loader import plan_layout
-    from weightcache.native.sharding import parse_rules
-    from weightcache.native.transport import get_transport
+    from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
+    from weightcache.native.shared.coldload import drop_page_cache, load_layout
+    from weightcache.native.shared.loader import plan_layout
+    from weightcache.native.shared.sharding import parse_rules
+    from weightcache.native.shared.transport import get_transport
 
     ckpt = open_checkpoint(model)
     layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0,
@@ -406,7 +406,7 @@ def attach_runs(model: Path, daemon: DaemonProc, repeats: int) -> dict[str, Any]
     """Zero-copy attaches through the client library, then one copy-mode attach."""
     import torch
 
-    from weightcache.native.client import attach
+    from weightcache.native.engine.attach import attach
 
     sock = daemon.info["socket"]
     nbytes = daemon.info["bytes"]
@@ -473,8 +473,8 @@ def transport_attach_ms(model: Path, sock: str, repeats: int) -> float:
 
     import torch
 
-    from weightcache.native.client import connect, plan_rank, request
-    from weightcache.native.transport import get_transport
+    from weightcache.native.engine.attach import connect, plan_rank, request
+    from weightcache.native.shared.transport import get_transport
 
     plan = plan_rank(model, device=torch.device("cuda", 0), device_index=0, tp_size=1,
                      tp_rank=0, shard_rules=None, dtype="auto")
@@ -493,7 +493,7 @@ def transport_attach_ms(model: Path, sock: str, repeats: int) -> float:
 
 
 def bench_model(name: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from weightcache.native.coldload import drop_page_cache
+    from weightcache.native.shared.coldload import drop_page_cache
 
     spec = MODELS[name]
     model = workdir / name

@@ -1,6 +1,6 @@
 """Identity section of `weightcache bench`: what exact content identity costs.
 
-The daemon digests every byte it loads (weightcache.native.content) in a thread pool beside
+The daemon digests every byte it loads (weightcache.native.shared.content) in a thread pool beside
 the load; the engine reads a few sampled chunks. Measured on the same checkpoint in the same
 run, CPU only (the digest reads the files, not the device copy): the daemon's load alone
 (the baseline), load + digest the way the daemon runs them, the digest alone, and the
@@ -32,10 +32,10 @@ def main(argv: list[str]) -> int:
 
     from weightcache.bench.native import _median
     from weightcache.bench.report import print_ratios
-    from weightcache.native import content
-    from weightcache.native.checkpoint import open_checkpoint, tied_aliases
-    from weightcache.native.loader import load_into_arena, plan_layout
-    from weightcache.native.sharding import parse_rules
+    from weightcache.native.shared import content
+    from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
+    from weightcache.native.shared.loader import load_into_arena, plan_layout
+    from weightcache.native.shared.sharding import parse_rules
     from weightcache.testing.checkpoints import DEMO, TINY, write_llama_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="weightcache-bench-identity-"))

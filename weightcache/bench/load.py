@@ -112,7 +112,7 @@ def write_layout(model: Any, kind: str, path: Path, limit_gb: float | None) -> d
 
 # -- measurements ---------------------------------------------------------------------------
 def drop(files: list[Path]) -> None:
-    from weightcache.native.coldload import drop_page_cache
+    from weightcache.native.shared.coldload import drop_page_cache
 
     drop_page_cache(files)
 
@@ -195,7 +195,7 @@ def attach_figures(model: Path, sock: str, repeats: int, fresh_runs: int = 3) ->
 
     import torch
 
-    from weightcache.native import client
+    from weightcache.native.engine import attach as client
 
     dev = torch.device("cuda", 0)
     from weightcache.testing.processes import run_attach
@@ -244,7 +244,7 @@ def attach_figures(model: Path, sock: str, repeats: int, fresh_runs: int = 3) ->
 def copy_figure(model: Path, sock: str, nbytes: int) -> dict[str, Any]:
     import torch
 
-    from weightcache.native import client
+    from weightcache.native.engine import attach as client
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()

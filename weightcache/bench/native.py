@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from weightcache.bench.report import print_ratios
-    from weightcache.native.client import attach
+    from weightcache.native.engine.attach import attach
     from weightcache.testing.checkpoints import DEMO, TINY, write_llama_checkpoint
     from weightcache.testing.processes import Preload
 

@@ -25,7 +25,7 @@ SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
     "identity": "weightcache.bench.identity",
     "gpu": "weightcache.bench.gpu",
-    "update": "weightcache.bench.update",
+    "update": "weightcache.bench.update_vs_restart",
     "load": "weightcache.bench.load",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",

@@ -83,7 +83,7 @@ def child(source: str, model_dir: str, sock: str | None, spawned: float) -> dict
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         step("build_on_meta")
-        from weightcache.native.client import attach, materialize
+        from weightcache.native.engine.attach import attach, materialize
 
         if source == "cache":
             res = attach(model_dir, device="cuda:0", socket_path=sock, fallback=False)

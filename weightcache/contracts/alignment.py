@@ -15,7 +15,7 @@ This file is the single home of that decision. The node agent publishes the map
 (`sitecustomize_source`); the webhook puts that folder on a vLLM engine's PYTHONPATH, so
 Python runs `apply_to_environ` at interpreter start-up, before vLLM imports torch, and the
 stock vLLM image needs nothing of ours. Native clients call `align` through
-weightcache.native.alignment. Hence the rules for this module: standard library only, no
+weightcache.native.engine.rank_devices. Hence the rules for this module: standard library only, no
 imports from weightcache, and nothing here may stop the engine from starting.
 """
 
@@ -37,8 +37,9 @@ MAP_VERSION = 1
 MAX_MAP_BYTES = 256 * 1024
 MAX_REPORT_BYTES = 16 * 1024
 UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]{1,80}$")
-# The canonical form the agent keys GPUs by (weightcache.native.gpu.normalize_uuid: lower-case
-# hex, 8-4-4-4-12); repeated here because engines run this file alone. A test keeps them equal.
+# The canonical form the agent keys GPUs by (weightcache.native.shared.gpu.normalize_uuid:
+# lower-case hex, 8-4-4-4-12); repeated here because engines run this file alone. A test keeps
+# them equal.
 _CANON_RE = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12})$")
 CPU_RE = re.compile(r"^cpu-[0-9a-f]{1,64}-[0-9]{1,6}$")
 RESULTS = ("aligned", "partial", "missed", "skipped")

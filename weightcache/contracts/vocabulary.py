@@ -26,19 +26,23 @@ MODES = ("zero_copy", "copy")
 ROLE_TARGET = "target"
 ROLE_DRAFT = "draft"
 ROLES = (ROLE_TARGET, ROLE_DRAFT)
-# Older name of the target role, still accepted by `weightcache daemon --role` and the client.
+# Older name of the target role, still accepted by a daemon rank's `--role` and the client.
 ROLE_ALIASES = {"main": ROLE_TARGET}
 
 # Value of the node label `<namespace>.cache.weightcache.io/<name>` (constants.node_ready_label)
 # on nodes where a cache is ready; the webhook's injected node affinity requires it.
 READY_VALUE = "ready"
 
-# Exit codes of `weightcache daemon` and `weightcache preload` (docs/native.md).
+# Exit codes of `weightcache preload` and of its daemon ranks (`python -m
+# weightcache.native.daemon`), docs/native.md; `weightcache attach` and `weightcache update`
+# use EXIT_OK and EXIT_BAD_INPUT too.
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_LOCKED = 3  # another daemon already serves this device
 EXIT_SECURITY = 4  # socket directory or lock refused
+# `weightcache update`: the group did not switch (refused or failed; docs/updates.md).
+EXIT_UPDATE_FAILED = 1
 # Exit codes of `weightcache agent` (docs/agent.md); 0 is EXIT_OK.
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 3

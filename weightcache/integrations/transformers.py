@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightcache.native.checkpoint import CheckpointError
-from weightcache.native.client import (
+from weightcache.native.engine.attach import (
     AttachResult,
     attach,
     materialize,
     non_persistent_buffers,
 )
+from weightcache.native.shared.checkpoint import CheckpointError
 
 log = logging.getLogger("weightcache.transformers")
 

@@ -1,13 +1,17 @@
 """The native weight cache: a per-device daemon on the node and the client library in the engine.
 
-Two sides of one data path live here. On the node, `launcher` (`weightcache preload`) starts
-one `daemon` process per device; each loads its shard (`checkpoint`, `sharding`, `loader`,
-`coldload`) into one arena, fingerprints it (`fingerprint`), and serves it over a Unix socket
-(`protocol`, `security`, `identity`) through a `transport` (memfd on CPU, CUDA VMM or legacy
-IPC on GPU). In the engine, `client` attaches to that arena or falls back to disk, and
-`attach` is the same thing as a command.
+One folder per side of the data path, and what both share:
 
-May import: `weightcache.constants`, `weightcache.contracts`, torch, safetensors, numpy,
-msgpack. Never the operator, the node agent, `bench` or `testing`: engines import this
-package without either of those installed. The engine-facing API is `weightcache.client`.
+- `daemon/`: on the node, `launcher` (`weightcache preload`) starts one `rank` process per
+  device; each loads its shard into one arena and serves it over a Unix socket (`server`),
+  and rewrites it in place on an update (`updater`).
+- `engine/`: in the engine, `attach` maps that arena or falls back to disk (the public face is
+  `weightcache.client`); `attach_command` is the same thing as a command; `participant` takes
+  part in in-place updates.
+- `shared/`: the checkpoint, sharding and arena layout, the socket protocol and its checks,
+  identities, fingerprints, content digests, the transports, and the error root.
+- `coordinator`: `weightcache update` and `push_update`, a client of every rank of a node.
+
+What may import what is stated once, in `.importlinter` (contracts `native` and `native-sides`):
+engines import this package without the operator or the node agent installed.
 """

@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightcache.errors import ProjectError
+
+from .checkpoint import CheckpointError, open_checkpoint
+
 CHUNK_BYTES = 256 * 1024
 DIGEST_BYTES = 16
 SAMPLES_PER_FILE = 2  # at least this many chunks of every file (all of a smaller file)
@@ -49,7 +53,7 @@ MAX_SAMPLES_PER_FILE = 64
 _TASK_CHUNKS = 64  # chunks per thread-pool task (16 MiB)
 
 
-class ContentError(RuntimeError):
+class ContentError(ProjectError, RuntimeError):
     """A file could not be digested, or changed while it was being digested."""
 
 
@@ -289,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", required=True, help="safetensors checkpoint directory")
     args = p.parse_args(argv)
-    from .checkpoint import CheckpointError, open_checkpoint
-
     try:
         ckpt = open_checkpoint(args.model)
         digests = digest_files(ckpt.files)

@@ -1,7 +1,7 @@
 """`weightcache update`: switch every daemon rank of this node to a new revision in place.
 
 The coordinator holds one connection per rank and moves all of them through the phases of
-`native/update.py` together, so the ranks of a group switch at one barrier or none does:
+`native/daemon/updater.py` together, so the ranks of a group switch at one barrier or none does:
 
   1. stage on every rank (in parallel; engines keep serving);   any refusal -> abort all
   2. pause on every rank (begin; wait for the engines' acks);     any refusal -> abort all
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import socket
 import sys
@@ -26,21 +27,26 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.cliformat import HelpFormatter
-from weightcache.contracts.vocabulary import ROLE_TARGET, ROLES, canonical_role
+from weightcache.contracts.vocabulary import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_UPDATE_FAILED,
+    ROLE_TARGET,
+    ROLES,
+    canonical_role,
+)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from .shared import protocol
+from .shared.checkpoint import CheckpointError, open_checkpoint
+from .shared.connection import connect, request
+from .shared.errors import UpdateError, WeightCacheError
+from .shared.security import SecurityError, resolve_socket_dir
 
-
-class UpdateFailed(RuntimeError):
-    """The group did not switch (or, with `broken`, could not be kept whole)."""
-
-    def __init__(self, code: str, message: str, *, broken: bool = False,
-                 detail: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code, self.broken, self.detail = code, broken, detail or {}
+if TYPE_CHECKING:
+    import torch
 
 
 def discover(socket_dir: Path, role: str = ROLE_TARGET) -> list[Path]:
@@ -59,8 +65,6 @@ def discover(socket_dir: Path, role: str = ROLE_TARGET) -> list[Path]:
 
 class _Rank:
     def __init__(self, path: Path, timeout_s: float) -> None:
-        from .client import connect
-
         self.path = path
         self.sock: socket.socket = connect(path, timeout=timeout_s)
         self.update_id: str | None = None
@@ -68,16 +72,13 @@ class _Rank:
         self.written = False
 
     def call(self, cmd: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
-        from . import protocol as proto
-        from .client import request
-
         if fds:
             try:
-                proto.send_frame(self.sock, {"cmd": cmd, **fields}, fds)
+                protocol.send_frame(self.sock, {"cmd": cmd, **fields}, fds)
             finally:
                 for fd in fds:
                     os.close(fd)
-            reply, _ = proto.recv_frame(self.sock)
+            reply, _ = protocol.recv_frame(self.sock)
         else:
             reply, _ = request(self.sock, cmd, **fields)
         return reply
@@ -107,17 +108,15 @@ class GroupUpdate:
 
     def __init__(self, sockets: list[Path | str | os.PathLike], *,
                  timeout_s: float = 600.0) -> None:
-        from .client import WeightCacheError
-
         if not sockets:
-            raise UpdateFailed("no_daemons", "no daemon sockets to update")
+            raise UpdateError("no_daemons", "no daemon sockets to update")
         self.ranks: list[_Rank] = []
         try:
             for p in sockets:
                 self.ranks.append(_Rank(Path(p), timeout_s))
         except WeightCacheError as exc:
             self.close()
-            raise UpdateFailed("unavailable", str(exc)) from None
+            raise UpdateError("unavailable", str(exc)) from None
         self.report: dict[str, Any] = {"ranks": len(self.ranks)}
         self._t0 = time.monotonic()
         self._t_pause = 0.0
@@ -125,9 +124,7 @@ class GroupUpdate:
     def prepare(self, *, model: str | None = None,
                 pushes: Mapping[Any, Mapping[str, Any]] | None = None,
                 force: bool = False) -> dict[str, Any]:
-        """Stage on every rank (engines keep serving). Raises UpdateFailed after aborting."""
-        from .updates import arena_image
-
+        """Stage on every rank (engines keep serving). Raises UpdateError after aborting."""
         def stage(rank: _Rank) -> dict[str, Any]:
             if pushes is None:
                 return rank.call("update_stage", source="checkpoint", model=str(model))
@@ -150,11 +147,11 @@ class GroupUpdate:
             self.report["bytes"] = sum(int(r.staged.get("bytes", 0)) for r in self.ranks)
             self.report["source"] = "push" if pushes is not None else str(model)
             if failed := _failed(replies, self.ranks):
-                raise UpdateFailed(*failed, detail=_detail(replies))
+                raise UpdateError(*failed, detail=_detail(replies))
             blockers = [b for r in replies for b in r.get("blockers", [])]
             if blockers and not force:
                 pids = ", ".join(str(b["pid"]) for b in blockers)
-                raise UpdateFailed(
+                raise UpdateError(
                     "unpausable_engine",
                     f"zero_copy engines that cannot pause are attached (pid {pids});"
                     " use --force to update anyway", detail={"engines": blockers})
@@ -167,7 +164,7 @@ class GroupUpdate:
             replies = _all(self.ranks, lambda r: r.call(
                 "update_pause", update=r.update_id, force=force, deadline_s=deadline_s))
             if failed := _failed(replies, self.ranks):
-                raise UpdateFailed(*failed, detail=_detail(replies))
+                raise UpdateError(*failed, detail=_detail(replies))
             self.report["engines_paused"] = sum(int(r.get("paused", 0)) for r in replies)
             self.report["forced_engines"] = sorted({p for r in replies
                                                     for p in r.get("forced", [])})
@@ -183,12 +180,12 @@ class GroupUpdate:
         with self._aborting():
             replies = _all(self.ranks, write)
             if failed := _failed(replies, self.ranks):
-                raise UpdateFailed(*failed, broken=True)
+                raise UpdateError(*failed, broken=True)
             self.report["seconds_write"] = round(
                 max(float(r.get("seconds", 0)) for r in replies), 6)
             replies = _all(self.ranks, lambda r: r.call("update_finish", update=r.update_id))
             if failed := _failed(replies, self.ranks):
-                raise UpdateFailed(*failed, broken=True)
+                raise UpdateError(*failed, broken=True)
             for rank in self.ranks:
                 rank.update_id = None
         self.report.update(
@@ -242,6 +239,56 @@ def update_group(
     return {k: report.get(k) for k in keys}
 
 
+def arena_image(table: list[dict[str, Any]], nbytes: int,
+                tensors: Mapping[str, torch.Tensor]) -> int:
+    """A memfd holding `tensors` laid out as the rank's arena; every table row must be given."""
+    import torch  # only a push needs torch: the node agent imports this module without it
+
+    from .shared.loader import dtype_from_name
+    fd = os.memfd_create("weightcache-push", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        if nbytes:
+            with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) as view:
+                flat = torch.frombuffer(view, dtype=torch.uint8)
+                missing = []
+                for row in table:
+                    src = tensors.get(row["name"])
+                    if src is None:
+                        missing.append(row["name"])
+                        continue
+                    dtype = dtype_from_name(row["dtype"])
+                    if src.dtype != dtype or list(src.shape) != list(row["shape"]):
+                        raise ValueError(
+                            f"{row['name']}: pushed {src.dtype} {list(src.shape)}, the cache "
+                            f"holds {dtype} {row['shape']}"
+                        )
+                    dst = flat[row["offset"]: row["offset"] + row["nbytes"]]
+                    dst.view(dtype).view(src.shape).copy_(src.detach().to("cpu"))
+                    del dst
+                del flat
+                if missing:
+                    raise ValueError(f"push lacks {len(missing)} tensors: {missing[:8]}")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def push_update(
+    pushes: Mapping[str | os.PathLike, Mapping[str, torch.Tensor]], *, force: bool = False,
+    pause_deadline_s: float = 30.0, timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Push new tensors to each rank's socket and switch all of them at one barrier.
+
+    `pushes` maps a daemon socket to that rank's full state dict (names, dtypes, shapes as
+    cached): an update whose bytes come from a process on the node (an RL trainer), not from
+    a checkpoint on disk. Raises `UpdateError` (nothing switched, or the cache marked broken).
+    """
+    return update_group(list(pushes), pushes=pushes, force=force,
+                        pause_deadline_s=pause_deadline_s, timeout_s=timeout_s)
+
+
 def _detail(replies: list[dict[str, Any]]) -> dict[str, Any]:
     bad = [r for r in replies if not r.get("ok")]
     out: dict[str, Any] = {}
@@ -274,9 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from .checkpoint import CheckpointError, open_checkpoint
-    from .security import SecurityError, resolve_socket_dir
-
     try:
         open_checkpoint(args.model)
         if args.socket_path:
@@ -288,8 +332,8 @@ def main(argv: list[str]) -> int:
     try:
         result = update_group(sockets, model=str(Path(args.model).resolve()), force=args.force,
                               pause_deadline_s=args.pause_deadline_s, timeout_s=args.timeout_s)
-    except UpdateFailed as exc:
-        return _fail(exc.code, str(exc), EXIT_FAILED, broken=exc.broken, **exc.detail)
+    except UpdateError as exc:
+        return _fail(exc.code, str(exc), EXIT_UPDATE_FAILED, broken=exc.broken, **exc.detail)
     print(json.dumps(result), flush=True)
     return EXIT_OK
 

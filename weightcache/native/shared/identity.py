@@ -16,6 +16,8 @@ from pathlib import Path
 
 from weightcache.contracts.vocabulary import ROLE_TARGET, canonical_role
 
+from .gpu import device_uuid
+
 
 def machine_id() -> str:
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -38,8 +40,6 @@ def device_identity(kind: str, index: int) -> str:
     if kind == "cpu":
         return cpu_identity(index)
     if kind == "cuda":
-        from .gpu import device_uuid
-
         return device_uuid(index)
     raise ValueError(f"unsupported device kind {kind!r}")
 

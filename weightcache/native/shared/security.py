@@ -20,12 +20,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from weightcache.errors import ProjectError
 
-class SecurityError(RuntimeError):
+
+class SecurityError(ProjectError, RuntimeError):
     """A path or a peer failed an ownership/permission check."""
 
 
-class AlreadyRunningError(RuntimeError):
+class AlreadyRunningError(ProjectError, RuntimeError):
     """Another daemon holds the lock of this socket."""
 
 

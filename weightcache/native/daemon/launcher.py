@@ -3,7 +3,7 @@
 Flags follow `vllm preload` where the meaning is the same, including the multi-node and
 data-parallel ones (`--nnodes`, `--node-rank`, `--data-parallel-size`,
 `--data-parallel-size-local`, `--data-parallel-start-rank`): local device i serves the global
-rank vLLM's engine gives it (weightcache.contracts.ranks). Native ranks need no rendezvous, so
+rank vLLM's engine gives it (weightcache.contracts.layout). Native ranks need no rendezvous, so
 there is no master address or port. The launcher checks the layout, the model and the shard
 rules for every rank before starting anything (so bad input fails once, clearly), starts one
 `weightcache.native.daemon` process per local rank (fresh interpreters, never fork, so
@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,9 +35,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from weightcache.cliformat import HelpFormatter
-from weightcache.contracts.ranks import LocalRank, ParallelFlags, RankLayoutError, plan_local_ranks
-from weightcache.contracts.vocabulary import DTYPES, EXIT_BAD_INPUT, EXIT_SECURITY
+from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
+from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
+from weightcache.errors import ProjectError
 
+from ..shared import protocol
+from ..shared.checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_argv, shard_rules
+from ..shared.gpu import visible_device_count
+from ..shared.security import SecurityError, prepare_socket_dir
+from ..shared.sharding import ShardingError, parse_rules, plan_shard
 from .lifetime import python_module, request_parent_death_signal
 from .progress import ProgressPrinter
 
@@ -104,9 +112,6 @@ def _reader(rank: Rank) -> None:
 def _answers(path: str, timeout: float) -> bool:
     """Does the rank answer a `hello` on its socket within `timeout`? (Any reply counts:
     even `busy` proves the process runs.)"""
-    import socket
-
-    from . import protocol
 
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
@@ -169,22 +174,14 @@ def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServ
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache preload", description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="local directory of .safetensors files (and config.json); a hub id "
-                        "must be downloaded first")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor-parallel size: one rank per local device, each holding its shard")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="data-parallel replicas in the whole group (a dense model's replicas "
-                        "hold identical shards)")
-    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="data-parallel ranks this launcher serves (default: all of them, or "
-                        "what --nnodes implies)")
-    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
-                   help="data-parallel rank of this launcher's first local device")
-    p.add_argument("--nnodes", "-n", type=int, default=1,
-                   help="nodes the group spans; node r serves global ranks r*local+i")
-    p.add_argument("--node-rank", "-r", type=int, default=0, help="this node's index, 0-based")
+    add_shard_flags(
+        p, model_help="local directory of .safetensors files (and config.json); a hub id must "
+                      "be downloaded first",
+        tp_help=None,  # with the other parallel flags: Layout.add_arguments
+        dtype_help="dtype the tensors are cached in (auto: as stored); engines must ask for the "
+                   "same one",
+        rules_help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
+    Layout.add_arguments(p)
     p.add_argument("--weight-cache-socket-dir", "--socket-dir", dest="weight_cache_socket_dir",
                    default=None,
                    help="socket directory (default: a private per-user dir under the temp dir)")
@@ -192,16 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve GET /health on this port (0: any free port)")
     p.add_argument("--weight-cache-health-host", default="127.0.0.1",
                    help="address the /health endpoint listens on")
-    p.add_argument("--weight-cache-allow-uid", type=int, action="append", default=[],
-                   help="also accept clients running as this uid (repeatable)")
+    add_allow_uid_flag(p)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the arenas live: cuda needs one visible GPU per local rank")
-    p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
-                   help="split tensors matching REGEX along DIM (repeatable; default: Llama)")
-    p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="dtype the tensors are cached in (auto: as stored); engines must ask "
-                        "for the same one")
     p.add_argument("--transport", default=None,
                    help="arena transport: memfd (cpu), cuda_vmm or cuda_ipc (cuda); "
                         "None picks the best available")
@@ -212,51 +202,55 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device_count(kind: str) -> int:
     if kind == "cuda":
-        from .gpu import visible_device_count  # torch-free: the ranks import torch themselves
-
-        return visible_device_count()
+        return visible_device_count()  # torch-free: the ranks import torch themselves
     return os.cpu_count() or 1
 
 
-def parallel_flags(args: argparse.Namespace) -> ParallelFlags:
-    return ParallelFlags(
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        data_parallel_size_local=args.data_parallel_size_local,
-        data_parallel_start_rank=args.data_parallel_start_rank,
-    )
+class PreloadRefused(ProjectError):
+    """Input that would make a rank fail, found before any rank starts; `code` is the exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _validate(args: argparse.Namespace) -> str | None:
-    """Everything that would make a rank fail on input, checked once for all ranks.
+def _validate(args: argparse.Namespace) -> list[LocalRank]:
+    """Everything that would make a rank fail on input, checked once for all ranks; the ranks
+    this launcher serves, or PreloadRefused.
 
     Only headers are read and torch is not imported, so bad input fails in well under a
     second instead of after every rank has started.
     """
-    from .checkpoint import CheckpointError, open_checkpoint, tied_aliases
-    from .security import SecurityError, prepare_socket_dir
-    from .sharding import ShardingError, parse_rules, plan_shard
-
     tp = args.tensor_parallel_size
-    flags = parallel_flags(args)
+    layout = Layout.from_args(args)
     try:
-        args.placements = plan_local_ranks(flags)
+        placements = layout.local_ranks()
     except RankLayoutError as exc:
-        return str(exc)
+        raise PreloadRefused(str(exc)) from None
     devices = _device_count(args.device)
-    local = len(args.placements)
+    local = len(placements)
     if args.device == "cuda" and devices == 0:
-        return ("--device cuda: no CUDA device is visible here (torch.cuda.device_count() is 0);"
-                " use --device cpu, or check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+        raise PreloadRefused(
+            "--device cuda: no CUDA device is visible here (torch.cuda.device_count() is 0);"
+            " use --device cpu, or check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
     if local > devices and local == tp:
-        return f"--tensor-parallel-size {tp} exceeds the {devices} {args.device} device(s) here"
+        raise PreloadRefused(
+            f"--tensor-parallel-size {tp} exceeds the {devices} {args.device} device(s) here")
     if local > devices:
-        return (f"{flags.describe()}: this node would serve {local} local ranks, more than "
-                f"the {devices} {args.device} device(s) here")
+        raise PreloadRefused(f"{layout.describe()}: this node would serve {local} local ranks, "
+                             f"more than the {devices} {args.device} device(s) here")
+    _check_model(args, tp)
     try:
-        rules = parse_rules([] if args.no_shard_rules else args.shard_rule)
+        prepare_socket_dir(args.weight_cache_socket_dir)
+    except (SecurityError, OSError) as exc:
+        raise PreloadRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
+    return placements
+
+
+def _check_model(args: argparse.Namespace, tp: int) -> None:
+    """Every header and the shard rules' divisibility; warn when no rule splits anything."""
+    try:
+        rules = parse_rules(shard_rules(args))
         ckpt = open_checkpoint(args.model)
         aliases = tied_aliases(ckpt)
         split = 0
@@ -264,41 +258,30 @@ def _validate(args: argparse.Namespace) -> str | None:
             if name not in aliases:
                 split += plan_shard(name, info.shape, rules, tp, 0).dim is not None
     except (CheckpointError, ShardingError) as exc:
-        return str(exc)
+        raise PreloadRefused(str(exc)) from None
     if tp > 1 and split == 0 and not args.no_shard_rules:
         log.warning(
             "no shard rule matches any of the %d tensor names of %s: every tensor is "
             "replicated, each of the %d ranks holds the whole model; give --shard-rule "
             "REGEX=DIM for this architecture (or --no-shard-rules to replicate on purpose)",
             len(ckpt.tensors), args.model, tp)
-    try:
-        prepare_socket_dir(args.weight_cache_socket_dir)
-    except (SecurityError, OSError) as exc:
-        raise PermissionError(f"socket directory refused: {exc}") from None
-    return None
 
 
 def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
     cmd = [
         *python_module("weightcache.native.daemon"),
-        "--model", args.model,
-        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        *shard_argv(args.model, args.tensor_parallel_size, args.dtype, shard_rules(args)),
         "--rank", str(place.tp_rank),
         "--device-index", str(place.local),
         "--global-rank", str(place.global_rank),
         "--dp-rank", str(place.dp_rank),
         "--device", args.device,
-        "--dtype", args.dtype,
         "--parent-pid", str(os.getpid()),
     ]
     if args.weight_cache_socket_dir:
         cmd += ["--weight-cache-socket-dir", args.weight_cache_socket_dir]
-    if args.no_shard_rules:
-        cmd.append("--no-shard-rules")
-    for rule in args.shard_rule or []:
-        cmd += ["--shard-rule", rule]
-    for uid in args.weight_cache_allow_uid:
-        cmd += ["--allow-uid", str(uid)]
+    for uid in args.allow_uid:
+        cmd += ["--weight-cache-allow-uid", str(uid)]
     if args.transport:
         cmd += ["--transport", args.transport]
     return cmd
@@ -358,15 +341,12 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
     try:
-        problem = _validate(args)
+        placements = _validate(args)
     except KeyboardInterrupt:  # Ctrl-C before anything started: nothing to clean up
         return 130
-    except PermissionError as exc:
+    except PreloadRefused as exc:
         log.error("%s", exc)
-        return EXIT_SECURITY
-    if problem:
-        log.error("%s", problem)
-        return EXIT_BAD_INPUT
+        return exc.code
 
     stop = threading.Event()
     received: list[int] = []
@@ -394,7 +374,7 @@ def main(argv: list[str]) -> int:
                 return EXIT_BAD_INPUT
             host, port = health.server_address[:2]
             _emit("HEALTH " + json.dumps({"url": f"http://{host}:{port}/health"}))
-        for place in args.placements:
+        for place in placements:
             proc = subprocess.Popen(_rank_cmd(args, place), stdout=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL)
             r = Rank(place, proc)

@@ -9,6 +9,7 @@ on its health endpoint, where the node agent reads them for its Status.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -143,3 +144,23 @@ class Ticker:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+
+
+class PhaseClock:
+    """Seconds spent in each named phase of a rank's start, in order (READY's `phases`)."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.phases: dict[str, float] = {}
+        self._mark = time.monotonic() if started is None else started
+
+    def mark(self, name: str) -> None:
+        """The phase `name` ended now; the next one starts."""
+        now = time.monotonic()
+        self.phases[name] = round(now - self._mark, 4)
+        self._mark = now
+
+
+def emit(line: str) -> None:
+    """One machine-readable line on stdout, for the launcher (LOADING, SERVING)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

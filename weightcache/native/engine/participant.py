@@ -14,27 +14,27 @@ while the bytes change, and afterwards must recompute whatever it derived from t
 `resumed` (an aborted update) reopens it with the old weights. A copy-mode engine owns its
 bytes and is unaffected; it may re-copy in `on_resume` if it wants the new weights.
 
-`push_update` is the other producer: a process on the node (an RL trainer) sends the new
-tensors of each rank directly, no checkpoint on disk, through the same phases.
+The other producer of an update, `push_update` (a process on the node, such as an RL trainer,
+sending each rank's new tensors), is the coordinator's (`native/coordinator.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import protocol as proto
-from .client import AttachResult, WeightCacheError, _raise_for, connect, request
-from .loader import dtype_from_name
+from ..shared import protocol as proto
+from ..shared.connection import connect, raise_for, request
+from ..shared.errors import WeightCacheError
+from .attach import AttachResult
 
 log = logging.getLogger("weightcache.updates")
 
@@ -106,7 +106,7 @@ class UpdateParticipant:
         self._sock = connect(self.path, timeout=connect_timeout_s)
         hello, _ = request(self._sock, "watch",
                            participant={"mode": mode, "can_pause": can_pause, "pid": os.getpid()})
-        _raise_for(hello)
+        raise_for(hello)
         current = hello.get("generation")
         self._changed_since_attach = (
             generation is not None and isinstance(current, int) and current != generation
@@ -219,67 +219,9 @@ def follow_updates(result: AttachResult, **options: Any) -> UpdateParticipant | 
                              **options)
 
 
-def arena_image(table: list[dict[str, Any]], nbytes: int,
-                tensors: Mapping[str, torch.Tensor]) -> int:
-    """A memfd holding `tensors` laid out as the rank's arena; every table row must be given."""
-    fd = os.memfd_create("weightcache-push", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        if nbytes:
-            with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) as view:
-                flat = torch.frombuffer(view, dtype=torch.uint8)
-                missing = []
-                for row in table:
-                    src = tensors.get(row["name"])
-                    if src is None:
-                        missing.append(row["name"])
-                        continue
-                    dtype = dtype_from_name(row["dtype"])
-                    if src.dtype != dtype or list(src.shape) != list(row["shape"]):
-                        raise ValueError(
-                            f"{row['name']}: pushed {src.dtype} {list(src.shape)}, the cache "
-                            f"holds {dtype} {row['shape']}"
-                        )
-                    dst = flat[row["offset"]: row["offset"] + row["nbytes"]]
-                    dst.view(dtype).view(src.shape).copy_(src.detach().to("cpu"))
-                    del dst
-                del flat
-                if missing:
-                    raise ValueError(f"push lacks {len(missing)} tensors: {missing[:8]}")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def push_update(
-    pushes: Mapping[str | os.PathLike, Mapping[str, torch.Tensor]], *, force: bool = False,
-    pause_deadline_s: float = 30.0, timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """Push new tensors to each rank's socket and switch all of them at one barrier.
-
-    `pushes` maps a daemon socket to that rank's full state dict (names, dtypes, shapes as
-    cached). Raises `UpdateFailed` (nothing switched, or the cache marked broken).
-    """
-    from .update_group import update_group
-
-    return update_group(list(pushes), pushes=pushes, force=force,
-                        pause_deadline_s=pause_deadline_s, timeout_s=timeout_s)
-
-
-def table_of(path: str | os.PathLike, *, timeout_s: float = 5.0) -> dict[str, Any]:
-    with contextlib.closing(connect(path, timeout=timeout_s)) as sock:
-        reply, _ = request(sock, "get_table")
-    _raise_for(reply)
-    return reply
-
-
 __all__ = [
     "ModelGate",
     "UpdateParticipant",
     "WeightCacheError",
-    "arena_image",
     "follow_updates",
-    "push_update",
-    "table_of",
 ]

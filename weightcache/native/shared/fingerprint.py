@@ -2,7 +2,7 @@
 
 The `checkpoint` part hashes the safetensors headers (names, dtypes, shapes, offsets and
 `__metadata__`) keyed by file name. Headers say nothing about values, so the `content` part
-carries the bytes' identity (weightcache.native.content): on the daemon's side the full
+carries the bytes' identity (weightcache.native.shared.content): on the daemon's side the full
 content digest of what it loaded, on the client's side a claim (file identities plus sampled
 chunk digests) that the daemon checks against its per-chunk record. Both are keyed by file
 name, so the same weights copied to another directory still match.

@@ -14,16 +14,21 @@ import logging
 import sys
 
 from weightcache.cliformat import HelpFormatter
-from weightcache.contracts.vocabulary import DTYPES
+from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+
+from ..shared.checkpoint import CheckpointError
+from ..shared.errors import WeightCacheError
+from ..shared.flags import add_shard_flags, shard_rules
+from ..shared.sharding import ShardingError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache attach", description=__doc__.split("\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="local directory of .safetensors files (the daemon's --model)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="tensor-parallel size the daemon was started with")
+    add_shard_flags(p, model_help="local directory of .safetensors files (the daemon's --model)",
+                    tp_help="tensor-parallel size the daemon was started with",
+                    dtype_help="the daemon's --dtype",
+                    rules_help="the daemon's shard rules (repeatable; default: the Llama preset)")
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank to attach as")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-index", type=int, default=None,
@@ -46,11 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "$WEIGHTCACHE_FALLBACK, else on)")
     fb.add_argument("--no-fallback", dest="fallback", action="store_false",
                     help="fail (exit 1) instead of loading from disk")
-    p.add_argument("--shard-rule", action="append", default=None, metavar="REGEX=DIM",
-                   help="the daemon's shard rules (repeatable; default: the Llama preset)")
-    p.add_argument("--no-shard-rules", action="store_true", help="replicate every tensor")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="the daemon's --dtype")
     p.add_argument("--connect-timeout-s", type=float, default=None,
                    help="seconds to connect and get hello (default: "
                         "$WEIGHTCACHE_CONNECT_TIMEOUT_S, else 5)")
@@ -71,7 +71,7 @@ def _fail(code: int, error: str, message: str) -> int:
 def _cuda_problem(device: str) -> str | None:
     if not device.startswith("cuda"):
         return None
-    import torch
+    import torch  # --device cuda only; attach() imports it anyway, after the usage checks
 
     if not torch.cuda.is_available():
         return (f"--device {device}: no CUDA device is visible here (torch "
@@ -83,17 +83,15 @@ def _cuda_problem(device: str) -> str | None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .checkpoint import CheckpointError
-    from .client import WeightCacheError, attach, load_from_disk
-    from .sharding import ShardingError
+    from .attach import attach, load_from_disk  # torch: after --help and usage errors
 
-    rules = [] if args.no_shard_rules else args.shard_rule
+    rules = shard_rules(args)
     try:
         problem = _cuda_problem(args.device)
     except RuntimeError as exc:  # a malformed device string
         problem = f"--device {args.device}: {exc}"
     if problem:
-        return _fail(2, "bad_input", problem)
+        return _fail(EXIT_BAD_INPUT, "bad_input", problem)
     try:
         result = attach(
             args.model,
@@ -111,16 +109,16 @@ def main(argv: list[str]) -> int:
             device_index=args.device_index,
         )
     except (CheckpointError, ShardingError, ValueError) as exc:
-        return _fail(2, "bad_input", str(exc))
+        return _fail(EXIT_BAD_INPUT, "bad_input", str(exc))
     except WeightCacheError as exc:
-        return _fail(1, exc.reason, str(exc))
+        return _fail(EXIT_ERROR, exc.reason, str(exc))
     except Exception as exc:  # a bug, not the user's input: still one line, never a traceback
-        return _fail(1, "internal", f"{type(exc).__name__}: {exc}")
+        return _fail(EXIT_ERROR, "internal", f"{type(exc).__name__}: {exc}")
     summary = result.summary()
     if args.verify_bytes:
-        import torch
+        import torch  # attach() imported it already
 
-        from .client import plan_rank
+        from .attach import plan_rank
 
         device = torch.device(args.device)
         plan = plan_rank(
@@ -136,7 +134,7 @@ def main(argv: list[str]) -> int:
         if bad:
             summary["mismatched_tensors"] = bad[:16]
     print(json.dumps(summary), flush=True)
-    return 0 if summary.get("verified", True) else 1
+    return EXIT_OK if summary.get("verified", True) else EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weightcache.errors import ProjectError
+
 # Tensor offsets inside an arena are aligned to this many bytes (CUDA's allocation granularity
 # for vectorised kernels is 256; it also keeps every dtype naturally aligned).
 ARENA_ALIGN = 256
 
 
-class TransportError(RuntimeError):
+class TransportError(ProjectError, RuntimeError):
     """A transport cannot allocate, export or map an arena."""
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.agent.runtimes.base import Runtime
-from weightcache.native.update_group import GroupUpdate, UpdateFailed
+from weightcache.native.coordinator import GroupUpdate, UpdateError
 
 log = logging.getLogger("weightcache.agent.updates")
 
@@ -67,7 +67,7 @@ class AgentUpdater:
         with self._lock:
             try:
                 return self._step(phase, sockets, model_path, revision, force, deadline)
-            except UpdateFailed as exc:
+            except UpdateError as exc:
                 self._drop()
                 log.warning("update to %s refused: %s", model_path, exc)
                 return UpdateOutcome(False, exc.code, str(exc), broken=exc.broken,

@@ -5,7 +5,7 @@ while the daemon loads the new one, so the device holds two copies for a while. 
 revision into the arena's existing memory grows device memory by 0 bytes and keeps every
 tensor's address (captured CUDA graphs stay valid), at the price that the model must not run
 while the bytes change. Hence the phases, each one command on the daemon socket, driven for all
-ranks of a group together by a coordinator (`weightcache update`, `native/update_group.py`):
+ranks of a group together by a coordinator (`weightcache update`, `native/coordinator.py`):
 
   update_stage   read the new bytes into host staging (pinned on CUDA) and verify them while
                  engines keep serving; refuse a layout that differs from the cached one.
@@ -37,19 +37,37 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from . import content as content_mod
-from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint
-from .loader import ArenaLayout, ArenaLayoutError, load_into_arena
-from .rankplan import plan_rank_shard
-from .sharding import ShardingError, ShardRule
+from ..shared import content as content_mod
+from ..shared import protocol as proto
+from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.errors import UpdateError
+from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
+from ..shared.rankplan import plan_rank_shard
+from ..shared.sharding import ShardingError, ShardRule
 
 if TYPE_CHECKING:
-    from .daemon import RankServer
+    from ..shared.transport import Arena
+
+
+class ServedRank(Protocol):
+    """What an update reads and replaces of the rank that serves (`rank.RankServer`).
+
+    Stated here so that this module needs nothing of the server: the server holds an updater,
+    never the other way round."""
+
+    arena: Arena | None
+    table: list[dict[str, Any]]
+    aliases: dict[str, str]
+    nbytes: int
+    fingerprint: dict[str, Any]
+    content: dict[str, content_mod.FileDigest]
+    device: torch.device
+    rank: int
+    stopping: threading.Event
 
 log = logging.getLogger("weightcache.update")
 
@@ -79,18 +97,14 @@ class UpdateConfig:
     model: str
 
 
-class UpdateError(Exception):
-    def __init__(self, code: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.code, self.extra = code, extra
-
-    def reply(self) -> dict[str, Any]:
-        return proto.error(self.code, str(self), **self.extra)
+def _refusal(exc: UpdateError) -> dict[str, Any]:
+    """The error reply of a refused phase: its code, message and detail (`tensors`...)."""
+    return proto.error(exc.code, str(exc), **exc.detail)
 
 
 @dataclass
 class Participant:
-    """An engine's watch stream that takes part in updates (`native/updates.py`)."""
+    """An engine's watch stream that takes part in updates (`native/engine/participant.py`)."""
 
     conn: socket.socket
     pid: int
@@ -205,7 +219,7 @@ def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
 class RankUpdater:
     """The update state machine of one rank; every method runs under `self._lock`."""
 
-    def __init__(self, server: RankServer, config: UpdateConfig) -> None:
+    def __init__(self, server: ServedRank, config: UpdateConfig) -> None:
         self.server = server
         self.config = config
         self.generation = 1
@@ -343,7 +357,7 @@ class RankUpdater:
         except UpdateError as exc:
             if cmd != "update_stage":
                 self._count("refused" if exc.code != proto.E_PAUSE_TIMEOUT else "timeout")
-            return exc.reply()
+            return _refusal(exc)
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -423,7 +437,7 @@ class RankUpdater:
                     proto.E_LAYOUT_MISMATCH,
                     f"{len(diff)} tensors differ from the cached layout (a restart is needed): "
                     + ", ".join(diff[:MAX_NAMED]),
-                    tensors=diff[:MAX_NAMED], count=len(diff),
+                    detail={"tensors": diff[:MAX_NAMED], "count": len(diff)},
                 )
             try:
                 before = {p.name: content_mod.FileIdentity.of(os.stat(p)) for p in ckpt.files}
@@ -490,7 +504,7 @@ class RankUpdater:
                 proto.E_UNPAUSABLE,
                 f"zero_copy engines that cannot pause are attached (pid {pids}); "
                 "use --force to update anyway",
-                engines=blockers,
+                detail={"engines": blockers},
             )
         staged.forced = [b["pid"] for b in blockers]
         previous = self.phase
@@ -516,7 +530,7 @@ class RankUpdater:
             pids = ", ".join(str(p.pid) for p in late)
             raise UpdateError(proto.E_PAUSE_TIMEOUT,
                               f"engines did not pause within {deadline_s} s (pid {pids})",
-                              engines=[p.pid for p in late])
+                              detail={"engines": [p.pid for p in late]})
         staged.paused = len(waiting)
         return proto.ok(update=staged.update_id, paused=len(waiting), forced=staged.forced)
 

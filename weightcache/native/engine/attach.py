@@ -27,81 +27,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from weightcache import constants as C
+from weightcache import constants
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
+from weightcache.errors import ProjectError
 
-from . import content
-from . import protocol as proto
-from .checkpoint import CheckpointError, open_checkpoint
-from .errors import WeightCacheError
-from .identity import device_identity
-from .identity import socket_path as derive_socket_path
-from .loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
-from .presence import loading_daemon
-from .rankplan import plan_rank_shard
-from .security import (
-    SecurityError,
-    check_peer,
-    check_socket_file,
-    resolve_socket_dir,
-    trusted_uids,
+from ..shared import content
+from ..shared import protocol as proto
+from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.connection import connect, query, raise_for, request
+from ..shared.errors import (
+    CacheProtocolError,
+    CacheSecurityError,
+    DaemonError,
+    DaemonLoadingError,
+    DaemonUnavailableError,
+    DeviceMismatchError,
+    FingerprintMismatchError,
+    NotReadyError,
+    ReleasedError,
+    WeightCacheError,
 )
-from .sharding import ShardingError, parse_rules
-from .transport import TransportError, get_transport
+from ..shared.identity import device_identity
+from ..shared.identity import socket_path as derive_socket_path
+from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from ..shared.rankplan import plan_rank_shard
+from ..shared.security import SecurityError, resolve_socket_dir
+from ..shared.sharding import ShardingError, parse_rules
+from ..shared.transport import TransportError, get_transport
 
 log = logging.getLogger("weightcache.client")
 
 
-class DaemonUnavailableError(WeightCacheError):
-    reason = "unavailable"
-
-
-class DaemonLoadingError(DaemonUnavailableError):
-    """No socket yet, but a daemon holds its lock: it is loading (see `presence.py`)."""
-
-
-class NotReadyError(WeightCacheError):
-    reason = "not_ready"
-
-
-class ReleasedError(WeightCacheError):
-    reason = "released"
-
-
-class FingerprintMismatchError(WeightCacheError):
-    reason = "fingerprint_mismatch"
-
-    def __init__(self, message: str, fields: list[str]) -> None:
-        super().__init__(message)
-        self.fields = fields
-
-
-class DeviceMismatchError(WeightCacheError):
-    reason = "device_mismatch"
-
-
-class CacheSecurityError(WeightCacheError):
-    reason = "security"
-
-
-class CacheProtocolError(WeightCacheError):
-    reason = "protocol"
-
-
-class DaemonError(WeightCacheError):
-    """The daemon answered with an error code this client has no better exception for."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = code
-
-
-class MissingTensorError(KeyError):
+class MissingTensorError(ProjectError, KeyError):
     """materialize(): the module has parameters the state dict does not provide."""
 
 
-class UnexpectedTensorError(KeyError):
+class UnexpectedTensorError(ProjectError, KeyError):
     """materialize(strict=True): the state dict has tensors the module has no place for.
 
     A checkpoint with more layers than the module (a 4-layer checkpoint into a 3-layer
@@ -163,96 +124,13 @@ def _pick(explicit: Any, env: Any, default: Any) -> Any:
     return default if env is None else env
 
 
-# -- low-level connection -------------------------------------------------------------------
-def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
-    """Connect to a daemon socket after checking the file and, once connected, the peer uid."""
-    path = Path(path)
-    try:
-        owners = trusted_uids()
-        check_socket_file(path, owners)
-    except FileNotFoundError:
-        loading = loading_daemon(path)
-        if loading:
-            raise DaemonLoadingError(
-                f"no daemon socket at {path} yet: a daemon is loading ({loading} holds"
-                f" {path}.lock); it binds the socket once the shard is loaded, retry then"
-            ) from None
-        raise DaemonUnavailableError(f"no daemon socket at {path}") from None
-    except SecurityError as exc:
-        raise CacheSecurityError(str(exc)) from None
-    except OSError as exc:
-        raise DaemonUnavailableError(f"cannot check {path}: {exc}") from None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
-    try:
-        _connect_within(sock, str(path), timeout)
-        check_peer(sock, owners)
-    except SecurityError as exc:
-        sock.close()
-        raise CacheSecurityError(f"daemon at {path}: {exc}") from None
-    except OSError as exc:
-        sock.close()
-        raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
-    return sock
-
-
-def _connect_within(sock: socket.socket, path: str, timeout: float) -> None:
-    """connect(), retrying while the listen backlog is full (EAGAIN on a Unix socket) until
-    `timeout`: a burst of engines then waits for the daemon instead of falling back."""
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            sock.connect(path)
-            return
-        except BlockingIOError:
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-
-def request(
-    sock: socket.socket, cmd: str, *, accept_fds: bool = False, **fields: Any
-) -> tuple[dict[str, Any], list[int]]:
-    try:
-        proto.send_frame(sock, {"cmd": cmd, **fields})
-        return proto.recv_frame(sock, accept_fds=accept_fds)
-    except TimeoutError:
-        raise DaemonUnavailableError(f"daemon did not answer {cmd!r} in time") from None
-    except proto.ProtocolError as exc:
-        raise CacheProtocolError(f"{cmd}: {exc}") from None
-    except OSError as exc:
-        raise DaemonUnavailableError(f"{cmd}: {exc}") from None
-
-
-def query(path: str | os.PathLike, cmd: str, *, timeout: float = 2.0, **fields: Any) -> dict:
-    """One request/reply without fds (hello, get_memory, stats): for probes and the node agent."""
-    with contextlib.closing(connect(path, timeout=timeout)) as sock:
-        reply, _ = request(sock, cmd, **fields)
-        return reply
-
-
-def _raise_for(reply: dict[str, Any]) -> None:
-    if reply.get("ok"):
-        return
-    code = str(reply.get("error", "error"))
-    message = str(reply.get("message", code))
-    if code == proto.E_FINGERPRINT_MISMATCH:
-        fields = [str(f) for f in reply.get("fields", []) if isinstance(f, str)]
-        raise FingerprintMismatchError(message, fields)
-    if code == proto.E_RELEASED:
-        raise ReleasedError(message)
-    if code == proto.E_NOT_READY:
-        raise NotReadyError(message)
-    if code == proto.E_PERMISSION_DENIED:
-        raise CacheSecurityError(message)
-    raise DaemonError(message, code)
-
-
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
-class RankPlan:
+class ExpectedShard:
+    """What this engine expects its rank's daemon to serve, computed from the checkpoint
+    itself: the layout and fingerprint it will compare the daemon's answer with, and the
+    device identity whose socket it asks (not `shared.rankplan`, which plans the shard)."""
+
     layout: ArenaLayout
     fingerprint: dict[str, Any]
     identity: str
@@ -268,7 +146,7 @@ def plan_rank(
     tp_rank: int,
     shard_rules: list[str] | None,
     dtype: str,
-) -> RankPlan:
+) -> ExpectedShard:
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
@@ -280,11 +158,11 @@ def plan_rank(
     layout, fingerprint = plan_rank_shard(
         ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, content=claim
     )
-    return RankPlan(layout, fingerprint, device_identity(device.type, device_index), device)
+    return ExpectedShard(layout, fingerprint, device_identity(device.type, device_index), device)
 
 
 def _from_cache(
-    plan: RankPlan, path: Path, **kw: Any
+    plan: ExpectedShard, path: Path, **kw: Any
 ) -> tuple[dict[str, torch.Tensor], int, int | None]:
     """The cache path; whatever a daemon (or a lying peer) answers, a WeightCacheError."""
     try:
@@ -295,7 +173,7 @@ def _from_cache(
         raise CacheProtocolError(f"unusable reply: {type(exc).__name__}: {exc}") from None
 
 
-def _check_table(plan: RankPlan, reply: dict[str, Any]) -> None:
+def _check_table(plan: ExpectedShard, reply: dict[str, Any]) -> None:
     """The daemon's table must be exactly the layout we computed from the checkpoint
     ourselves: anything else is a partial or foreign shard, never served."""
     table, aliases = reply.get("tensors"), reply.get("aliases") or {}
@@ -311,7 +189,7 @@ def _check_unchanged(sock: socket.socket, generation: Any) -> None:
     once. The daemon's `hello` reports the update phase and generation: the copy is whole
     only if the generation is still the one `get_state` served and no write is under way."""
     hello, _ = request(sock, "hello")
-    _raise_for(hello)
+    raise_for(hello)
     update = hello.get("update")
     if update is None:
         return  # a daemon without in-place updates never rewrites its arena
@@ -323,12 +201,12 @@ def _check_unchanged(sock: socket.socket, generation: Any) -> None:
 
 
 def _from_cache_unchecked(
-    plan: RankPlan, path: Path, *, mode: str, tp_size: int, tp_rank: int,
+    plan: ExpectedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float,
 ) -> tuple[dict[str, torch.Tensor], int, int | None]:
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
         hello, _ = request(sock, "hello")
-        _raise_for(hello)
+        raise_for(hello)
         if hello.get("protocol") != proto.PROTOCOL_VERSION:
             raise CacheProtocolError(f"daemon speaks protocol {hello.get('protocol')!r}")
         if not hello.get("ready"):
@@ -347,7 +225,7 @@ def _from_cache_unchecked(
         reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint,
                              mode=mode)
         try:
-            _raise_for(reply)
+            raise_for(reply)
             _check_table(plan, reply)
             meta = reply.get("arena")
             if not isinstance(meta, dict) or not isinstance(meta.get("transport"), str):
@@ -423,13 +301,13 @@ def attach(
     """Like `load_state_dict`, but also says where the tensors came from and how long it took."""
     started = time.perf_counter()
     device = torch.device(device)
-    mode = _pick(mode, os.environ.get(C.ENV_MODE) or None, "zero_copy")
+    mode = _pick(mode, os.environ.get(constants.ENV_MODE) or None, "zero_copy")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    fallback = _pick(fallback, _env_bool(C.ENV_FALLBACK), True)
-    connect_timeout_s = _pick(connect_timeout_s, _env_float(C.ENV_CONNECT_TIMEOUT), 5.0)
-    state_timeout_s = _pick(state_timeout_s, _env_float(C.ENV_STATE_TIMEOUT), 300.0)
-    socket_dir = _pick(socket_dir, os.environ.get(C.ENV_SOCKET_DIR) or None, None)
+    fallback = _pick(fallback, _env_bool(constants.ENV_FALLBACK), True)
+    connect_timeout_s = _pick(connect_timeout_s, _env_float(constants.ENV_CONNECT_TIMEOUT), 5.0)
+    state_timeout_s = _pick(state_timeout_s, _env_float(constants.ENV_STATE_TIMEOUT), 300.0)
+    socket_dir = _pick(socket_dir, os.environ.get(constants.ENV_SOCKET_DIR) or None, None)
     if device_index is None:
         if device.type == "cuda":
             device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -464,7 +342,7 @@ def attach(
         if not fallback:
             raise
         reason = f"{exc.reason}: {exc}"
-        cache = os.environ.get(C.ENV_CACHE)
+        cache = os.environ.get(constants.ENV_CACHE)
         log.warning(
             "weightcache%s: loading %s (rank %d/%d) from disk: %s",
             f" {cache}" if cache else "", model_dir, tp_rank, tp_size, reason,

@@ -13,7 +13,7 @@ Peak memory is sampled during each: device memory on CUDA (cudaMemGetInfo, devic
 shared memory on CPU (/proc/meminfo Shmem, where memfd arenas live). Nothing is asserted.
 
     weightcache bench update                                  # CPU, CI-sized checkpoint
-    python -m weightcache.bench.update --device cuda --size 8b --workdir /data/wc
+    python -m weightcache.bench.update_vs_restart --device cuda --size 8b --workdir /data/wc
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from weightcache.client import attach, follow_updates
-    from weightcache.native.update_group import discover, update_group
+    from weightcache.native.coordinator import discover, update_group
     from weightcache.testing.processes import Preload
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="wc-bench-update-"))

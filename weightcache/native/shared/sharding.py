@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from weightcache.errors import ProjectError
+
 # Llama-family (Llama, Mistral, Qwen2 naming): column-parallel projections split the output
 # dim (0), row-parallel ones the input dim (1), the vocabulary is split by rows.
 LLAMA_PRESET: tuple[str, ...] = (
@@ -21,7 +23,7 @@ LLAMA_PRESET: tuple[str, ...] = (
 )
 
 
-class ShardingError(ValueError):
+class ShardingError(ProjectError, ValueError):
     """A shard rule is malformed, or it cannot split a tensor evenly across TP ranks."""
 
 

@@ -5,7 +5,7 @@ processes: an engine started with `CUDA_VISIBLE_DEVICES=3` calls physical GPU 3 
 Both sides compute the UUID of the device they use, so they meet on the same socket and the
 client can refuse a daemon that holds another GPU's memory.
 
-This is the one place a GPU becomes an identity string: `weightcache.native.identity` (socket
+This is the one place a GPU becomes an identity string: `weightcache.native.shared.identity` (socket
 names) and the node agent's device discovery call it. Everything that needs CUDA is imported
 lazily; the parsing helpers run anywhere.
 """
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 
+from weightcache.errors import ProjectError
+
 _MIG_RE = re.compile(r"^MIG-[0-9A-Za-z-]+$")
 _UUID_RE = re.compile(r"^(?:GPU-)?([0-9a-fA-F]{8}(?:-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12})$")
 
 
-class GpuError(RuntimeError):
+class GpuError(ProjectError, RuntimeError):
     """A device could not be identified or resolved."""
 
 
@@ -77,13 +79,13 @@ def visible_device_count() -> int:
                 return int(count)
     except Exception:  # no cuda-python, or no driver: ask torch as before
         pass
-    import torch
+    import torch  # only without cuda-python: the agent and launcher import this torch-free
 
     return torch.cuda.device_count()
 
 
 def _torch_uuid(index: int) -> str | None:
-    import torch
+    import torch  # a fallback; this module stays torch-free for the agent and launcher
 
     props = torch.cuda.get_device_properties(index)
     raw = getattr(props, "uuid", None)
@@ -118,7 +120,7 @@ def device_index(device) -> int:
     """CUDA ordinal of `device` in this process (default: the current device)."""
     if isinstance(device, int):
         return device
-    import torch
+    import torch  # callers with a torch device have torch; the agent passes ints
 
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .residency import resident
+from ..shared.residency import resident
 
 MiB = 1 << 20
 DEFAULT_THREADS = 8

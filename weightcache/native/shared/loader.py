@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
+from weightcache.errors import ProjectError
+
 from .checkpoint import Checkpoint, TensorInfo
+from .coldload import load_layout  # CUDA: pinned, multi-threaded reads + async H2D copies
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
@@ -31,7 +34,7 @@ _BY_NAME: dict[str, torch.dtype] = {
 }
 
 
-class ArenaLayoutError(ValueError):
+class ArenaLayoutError(ProjectError, ValueError):
     """A tensor table does not describe valid views of the buffer it comes with."""
 
 
@@ -153,8 +156,6 @@ def load_into_arena(
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     if flat.is_cuda:
-        from .coldload import load_layout  # pinned, multi-threaded reads + async H2D copies
-
         return load_layout(layout, flat, progress=progress, direct=direct)
     by_file: dict[Any, list[Entry]] = {}
     for entry in layout.entries:

@@ -77,7 +77,7 @@ class TensorInfo:
     @property
     def dtype(self) -> Any:
         """The torch dtype (imports torch on first use)."""
-        import torch
+        import torch  # header parsing stays torch-free: the launcher validates without it
 
         return getattr(torch, self.dtype_name)
 

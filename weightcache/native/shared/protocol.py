@@ -18,6 +18,8 @@ from typing import Any
 
 import msgpack
 
+from weightcache.errors import ProjectError
+
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 MAX_FDS = 16
@@ -35,7 +37,7 @@ E_TRANSPORT_UNAVAILABLE = "transport_unavailable"
 E_PERMISSION_DENIED = "permission_denied"
 E_BUSY = "busy"
 E_INTERNAL = "internal"
-# In-place updates (native/update.py).
+# In-place updates (native/daemon/updater.py).
 E_LAYOUT_MISMATCH = "layout_mismatch"
 E_UPDATE_STATE = "update_state"
 E_PAUSE_TIMEOUT = "pause_timeout"
@@ -62,7 +64,7 @@ ERROR_CODES = frozenset(
     }
 )
 COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
-# In-place update commands, handled by native/update.py (docs/updates.md).
+# In-place update commands, handled by native/daemon/updater.py (docs/updates.md).
 UPDATE_COMMANDS = (
     "get_table", "update_stage", "update_pause", "update_write", "update_finish", "update_abort"
 )
@@ -70,7 +72,7 @@ UPDATE_COMMANDS = (
 FD_COMMANDS = frozenset({"update_stage"})
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(ProjectError, RuntimeError):
     """The peer sent something that is not a valid frame; the connection must be closed."""
 
     def __init__(self, code: str, message: str) -> None:

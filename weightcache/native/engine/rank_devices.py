@@ -14,18 +14,18 @@ import os
 import socket
 from collections.abc import Sequence
 
-from weightcache import constants as C
+from weightcache import constants
 from weightcache.contracts import alignment as al
 
-from .identity import device_identity
+from ..shared.identity import device_identity
 
-log = logging.getLogger("weightcache.native.alignment")
+log = logging.getLogger("weightcache.native.engine.rank_devices")
 
 
 def visible_identities(kind: str = "cuda", count: int | None = None) -> list[str]:
     """Identities of this process's devices in index order (torch's view, after remapping)."""
     if kind == "cuda":
-        import torch
+        import torch  # cuda only: for cpu the caller gives the count
 
         count = torch.cuda.device_count() if count is None else count
     elif count is None:
@@ -38,7 +38,7 @@ def plan(
     visible: Sequence[str] | None = None, kind: str = "cuda", dp_local: int = 1,
 ) -> al.Alignment:
     """The alignment of this process's devices; raises `al.MapError` without a readable map."""
-    directory = str(socket_dir or os.environ.get(C.ENV_SOCKET_DIR) or "")
+    directory = str(socket_dir or os.environ.get(constants.ENV_SOCKET_DIR) or "")
     gpu_map = al.read_map(directory)
     if visible is None:
         visible = visible_identities(kind, None if kind == "cuda" else tp_size * dp_local)
@@ -71,7 +71,7 @@ def rank_devices(
     if report and not os.environ.get(al.ENV_ACTIVE):
         # Once per process tree, like the vLLM path: the agent counts engine starts.
         os.environ[al.ENV_ACTIVE] = "1"
-        directory = str(socket_dir or os.environ.get(C.ENV_SOCKET_DIR) or "")
+        directory = str(socket_dir or os.environ.get(constants.ENV_SOCKET_DIR) or "")
         pod = os.environ.get("POD_NAME") or socket.gethostname()
         al.send_report(directory, al.report(alignment, pod=pod))
     return [al.device_for_rank(alignment, visible, r.local) for r in alignment.ranks]

@@ -6,7 +6,7 @@ a CUDA transport module that cannot import its bindings (no `cuda-python`) raise
 and is simply not registered.
 
 May import: torch, the CUDA driver bindings (lazily, in the CUDA modules only) and
-`weightcache.native.gpu`; nothing else of the package, so the daemon and the client depend on
+`weightcache.native.shared.gpu`; nothing else of the package, so the daemon and the client depend on
 transports and not the other way round.
 """
 
@@ -42,9 +42,9 @@ __all__ = [
 
 # name -> module path; order is the preference order of `default_transport`.
 _MODULES: dict[str, str] = {
-    "cuda_vmm": "weightcache.native.transport.cuda_vmm",
-    "cuda_ipc": "weightcache.native.transport.cuda_ipc",
-    "memfd": "weightcache.native.transport.memfd",
+    "cuda_vmm": "weightcache.native.shared.transport.cuda_vmm",
+    "cuda_ipc": "weightcache.native.shared.transport.cuda_ipc",
+    "memfd": "weightcache.native.shared.transport.memfd",
 }
 _REGISTRY: dict[str, Transport] = {}
 _FAILED: dict[str, str] = {}

@@ -1,0 +1,163 @@
+"""One rank's load, once it holds its socket's lock: device, plan, arena, fill, digest, seal.
+
+`rank.run` imports this module only after taking the lock, because it imports torch (seconds):
+a second daemon for the same device must fail before that. Each step is a function of its own;
+`load` runs them in order and times each (`PhaseClock`, READY's `phases`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightcache.contracts.vocabulary import EXIT_ERROR
+
+from ..shared import content as content_mod
+from ..shared import protocol as proto
+from ..shared.checkpoint import Checkpoint
+from ..shared.coldload import LoadStats
+from ..shared.loader import ArenaLayout, load_into_arena
+from ..shared.rankplan import plan_rank_shard
+from ..shared.sharding import ShardingError, ShardRule
+from ..shared.transport import Arena, Transport, default_transport, get_transport
+from .config import BIND_DELAY_ENV, RankConfig, RankRefused
+from .prefetch import Prefetcher
+from .progress import Counter, PhaseClock, Ticker, emit
+
+log = logging.getLogger("weightcache.daemon")
+
+LOADING_INTERVAL_S = 0.5  # how often a loading rank reports its bytes on stdout
+
+
+@dataclass
+class LoadedShard:
+    """A rank's shard, loaded and sealed, ready to be served."""
+
+    arena: Arena
+    transport: Transport
+    layout: ArenaLayout
+    fingerprint: dict[str, Any]  # with the full content digest
+    record: dict[str, content_mod.FileDigest]
+    device: torch.device
+    load_seconds: float  # allocate + fill, as SERVING reports it
+    loader: LoadStats | None
+    prefetched: dict[str, Any] | None
+
+
+def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: Path,
+         clock: PhaseClock, prefetcher: Prefetcher | None) -> LoadedShard:
+    device = open_device(config, clock)
+    layout, fingerprint = plan(config, ckpt, rules)
+    drop_stale_socket(socket)
+    clock.mark("plan_seconds")
+    t0 = time.monotonic()
+    transport = get_transport(config.transport) if config.transport else default_transport(device)
+    arena = transport.allocate(layout.nbytes, device)
+    try:
+        # Every byte's digest, computed beside the load (hashlib releases the GIL).
+        digests: dict[str, Any] = {}
+        digest_thread = threading.Thread(
+            target=_digest_into, args=(ckpt.files, digests), name="digest", daemon=True)
+        digest_thread.start()
+        clock.mark("allocate_seconds")
+        prefetched = prefetcher.stop() if prefetcher is not None else None
+        loader = fill(config, layout, arena, device)
+        clock.mark("fill_seconds")
+        digest_thread.join()
+        clock.mark("digest_wait_seconds")  # how long the digest outlasted the fill
+        if "error" in digests:
+            raise RankRefused(f"rank {config.tp_rank}: {digests['error']}", EXIT_ERROR)
+        record = digests["files"]
+        fingerprint = {**fingerprint, "content": content_mod.content_root(record)}
+        load_seconds = time.monotonic() - t0
+        delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            time.sleep(delay)
+        arena.export()  # seal / create the handle now, not on the first engine's clock
+        clock.mark("export_seconds")
+    except BaseException:
+        arena.close()
+        raise
+    return LoadedShard(arena, transport, layout, fingerprint, record, device, load_seconds,
+                       loader, prefetched)
+
+
+def open_device(config: RankConfig, clock: PhaseClock) -> torch.device:
+    """The rank's device, with its CUDA context created (and timed) up front."""
+    if config.device == "cuda":
+        device = torch.device("cuda", config.device_index)
+    else:
+        device = torch.device("cpu")
+    clock.mark("startup_seconds")  # headers, device identity (imports torch on CUDA), lock
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.empty(0, device=device)  # the CUDA context, timed on its own
+    clock.mark("cuda_init_seconds")
+    return device
+
+
+def plan(config: RankConfig, ckpt: Checkpoint,
+         rules: list[ShardRule]) -> tuple[ArenaLayout, dict[str, Any]]:
+    """The shard's arena layout and fingerprint; RankRefused if it cannot be served."""
+    try:
+        layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=config.tp_size,
+                                              tp_rank=config.tp_rank, dtype=config.dtype)
+    except ShardingError as exc:
+        raise RankRefused(str(exc)) from None
+    try:  # a table msgpack cannot carry would make a READY rank that never serves
+        proto.encode(proto.ok(tensors=layout.table(), aliases=layout.aliases))
+    except (proto.ProtocolError, OverflowError, ValueError) as exc:
+        raise RankRefused(f"{config.model}: the tensor table cannot be served: {exc}") from None
+    return layout, fingerprint
+
+
+def drop_stale_socket(path: Path) -> None:
+    """A socket left by a dead daemon would let clients connect to nothing: drop it first."""
+    if os.path.lexists(path):
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_socket() and not path.is_symlink():
+                os.unlink(path)
+
+
+def fill(config: RankConfig, layout: ArenaLayout, arena: Arena,
+         device: torch.device) -> LoadStats | None:
+    """Read the shard into the arena, reporting `LOADING {json}` every LOADING_INTERVAL_S."""
+    done = Counter()
+    started = time.monotonic()
+
+    def report() -> None:
+        emit("LOADING " + json.dumps({
+            "rank": config.global_rank, "bytes_loaded": done.value, "bytes": layout.nbytes,
+            "seconds": round(time.monotonic() - started, 3)}))
+
+    ticker = Ticker(report, LOADING_INTERVAL_S).start()
+    try:
+        # The digest thread reads the same files through the page cache at the same time.
+        # O_DIRECT reads would bypass it, so the disk would deliver every byte twice (seen on
+        # an H200: fill 8.8 s, then 8.9 s more for the digest); buffered reads let the two
+        # readers share one pass. An explicit WEIGHTCACHE_LOAD_DIRECT still wins.
+        direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") else False
+        loaded = load_into_arena(layout, arena.tensor(), progress=done.add, direct=direct)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        ticker.stop()
+    done.add(layout.nbytes - done.value)  # the alignment padding between tensors
+    report()
+    return loaded
+
+
+def _digest_into(files: list[Path], out: dict[str, Any]) -> None:
+    try:
+        out["files"] = content_mod.digest_files(files)
+    except content_mod.ContentError as exc:
+        out["error"] = str(exc)

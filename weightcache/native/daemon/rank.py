@@ -1,0 +1,265 @@
+"""One daemon rank: load this rank's shard into one arena, then serve it on a Unix socket.
+
+Started by `weightcache preload` (one process per rank) as
+`python -m weightcache.native.daemon ...`. Order matters: take the socket's lock, remove a stale
+socket, load the whole shard, and only then bind, so a client either finds no socket (and
+falls back) or a daemon with a complete table. The launcher learns that the rank serves from
+one `SERVING {json}` line on stdout.
+
+Exit codes: 0 clean stop, 2 bad input (model, shard rules, flags), 3 another daemon holds the
+socket, 4 socket directory refused by the security checks, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weightcache.contracts.vocabulary import (
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_SECURITY,
+)
+
+from ..shared import limits
+from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from ..shared.identity import device_identity, socket_path
+from ..shared.security import (
+    AlreadyRunningError,
+    SecurityError,
+    SocketLock,
+    bind_unix_socket,
+    check_socket_slot,
+    prepare_socket_dir,
+)
+from ..shared.sharding import ShardingError, ShardRule, parse_rules
+from .config import BIND_DELAY_ENV, PREFETCH_ENV, RankConfig, RankRefused, build_parser
+from .lifetime import request_parent_death_signal
+from .prefetch import Prefetcher
+from .progress import PhaseClock, emit
+
+if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
+    from .loading import LoadedShard
+    from .server import RankServer
+
+__all__ = ["BIND_DELAY_ENV", "PREFETCH_ENV", "build_parser", "main", "run"]
+
+log = logging.getLogger("weightcache.daemon")
+
+
+class Stop(BaseException):
+    """Raised by the signal handler while a rank loads, to abandon the load.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (logging's
+    own error handling among them) can swallow it. Once the rank serves, the handler no longer
+    raises: it sets the server's stop flag and wakes the accept loop instead (`_Serving`).
+    """
+
+
+class _Serving:
+    """The server and listener of this process once it serves, for the signal handler.
+
+    `abandon` is true while a signal may abandon the load by raising `Stop`; the handler
+    clears it before raising, so a second signal (the launcher's SIGTERM after a Ctrl-C that
+    reached the whole process group) can never raise again inside the cleanup.
+    """
+
+    server: RankServer | None = None
+    listener: socket.socket | None = None
+    abandon: bool = True
+
+
+@dataclass
+class _Held:
+    """What this rank holds and must give back on the way out, whatever stopped it."""
+
+    path: Path
+    lock: SocketLock
+    prefetcher: Prefetcher | None = None
+    shard: LoadedShard | None = None
+    server: RankServer | None = None
+    listener: socket.socket | None = None
+
+    def release(self) -> None:
+        # From here on signals must not interrupt: the cleanup is what they ask for.
+        _Serving.abandon = False
+        _ignore_stop_signals()
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+        _Serving.server = _Serving.listener = None
+        if self.server is not None:
+            self.server.shutdown()
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        if self.shard is not None:
+            self.shard.arena.close()
+        self.lock.release()
+
+
+def run(config: RankConfig) -> int:
+    """Check input, take the lock, then (and only then) import torch, load, bind, serve.
+
+    Taking the lock before importing torch makes a second daemon for the same device fail
+    in a fraction of a second.
+    """
+    clock = PhaseClock()
+    try:
+        ckpt, rules = read_input(config)
+        held = claim_socket(config)
+    except RankRefused as exc:
+        log.error("%s", exc)
+        return exc.code
+    try:
+        held.prefetcher = start_prefetch(ckpt)
+        from . import loading, server  # torch: only now that this rank holds its lock
+
+        held.shard = loading.load(config, ckpt, rules, held.path, clock, held.prefetcher)
+        held.server = server.serve_shard(held.shard, config, rules)
+        held.listener = bind(config, held.path)
+        announce(config, held.shard, held.path, clock)
+        _Serving.server, _Serving.listener = held.server, held.listener
+        held.server.serve(held.listener)
+        return EXIT_OK
+    except RankRefused as exc:
+        log.error("%s", exc)
+        return exc.code
+    except Stop:
+        return EXIT_OK
+    except Exception as exc:  # report any failure as this rank's exit code, never hang
+        log.error("rank %d failed: %s: %s", config.tp_rank, type(exc).__name__, exc)
+        return EXIT_ERROR
+    finally:
+        held.release()
+
+
+def read_input(config: RankConfig) -> tuple[Checkpoint, list[ShardRule]]:
+    """The checkpoint's headers and the shard rules (exit 2 if either is bad)."""
+    try:
+        return open_checkpoint(config.model), parse_rules(config.shard_rules)
+    except (CheckpointError, ShardingError) as exc:
+        raise RankRefused(str(exc)) from None
+
+
+def claim_socket(config: RankConfig) -> _Held:
+    """The socket directory checked, this device's lock taken and its socket path free."""
+    try:
+        sock_dir = prepare_socket_dir(config.socket_dir)
+    except (SecurityError, OSError) as exc:
+        raise RankRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
+    path = socket_path(sock_dir, device_identity(config.device, config.device_index), config.role)
+    lock = SocketLock(path)
+    try:
+        lock.acquire()
+    except AlreadyRunningError as exc:
+        raise RankRefused(str(exc), EXIT_LOCKED) from None
+    except SecurityError as exc:
+        raise RankRefused(f"cannot lock {lock.path}: {exc}", EXIT_SECURITY) from None
+    except OSError as exc:  # ENOSPC, EIO...: not a security verdict
+        raise RankRefused(f"cannot lock {lock.path}: {exc}", EXIT_ERROR) from None
+    try:
+        check_socket_slot(path)
+    except (SecurityError, OSError) as exc:
+        lock.release()
+        raise RankRefused(str(exc), EXIT_SECURITY) from None
+    return _Held(Path(path), lock)
+
+
+def start_prefetch(ckpt: Checkpoint) -> Prefetcher | None:
+    """Warm the page cache while torch starts, when PREFETCH_ENV asks for it."""
+    if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
+        return Prefetcher(ckpt.files).start()
+    return None
+
+
+def bind(config: RankConfig, path: Path) -> socket.socket:
+    """Only now, with the whole shard loaded, does the socket appear."""
+    try:
+        return bind_unix_socket(path, limits.LISTEN_BACKLOG, shared=bool(config.allowed_uids))
+    except SecurityError as exc:
+        raise RankRefused(str(exc), EXIT_SECURITY) from None
+
+
+def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClock) -> None:
+    """The `SERVING {json}` line the launcher waits for."""
+    layout, seconds = shard.layout, shard.load_seconds
+    emit("SERVING " + json.dumps({
+        "rank": config.tp_rank,
+        "global_rank": config.global_rank,
+        "dp_rank": config.dp_rank,
+        "local_rank": config.device_index,
+        "socket": str(path),
+        "device": device_identity(config.device, config.device_index),
+        "bytes": layout.nbytes,
+        "tensors": len(layout.entries),
+        "load_seconds": round(seconds, 4),
+        "load_gb_per_s": float(f"{layout.nbytes / seconds / 1e9:.4g}") if seconds > 0 else None,
+        "phases": clock.phases,
+        "prefetch": shard.prefetched,
+        "loader": shard.loader.as_dict() if shard.loader is not None else None,
+        "pid": os.getpid(),
+        "content": shard.fingerprint["content"],
+    }))
+    log.info("rank %d serving %d bytes on %s", config.tp_rank, layout.nbytes, path)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    server, listener = _Serving.server, _Serving.listener
+    if server is None or listener is None:
+        if _Serving.abandon:
+            _Serving.abandon = False
+            raise Stop()
+        return
+    server.stopping.set()
+    # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
+    # fail at once, and serve() sees the stop flag.
+    with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel for SIGTERM when the launcher dies, so ranks never outlive it."""
+    if parent_pid is not None and not request_parent_death_signal(parent_pid):
+        raise Stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{args.rank if args.global_rank is None else args.global_rank}"
+        " %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        config = RankConfig.from_args(args)
+    except RankRefused as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_INPUT
+    try:
+        _die_with_parent(config.parent_pid)
+        return run(config)
+    except Stop:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""One daemon rank's server: the commands of the socket protocol over its loaded arena.
+
+`rank.py` builds it once the shard is loaded and binds the socket; each connection then runs
+on its own thread through `RankServer.handle`: admit the peer, read a whole request within the
+deadline, answer it (a command, an update phase for `updater.py`, or a watch that moves to the
+watch pool), and on close free the connection's slot. Imported only after the rank holds its
+socket's lock (it imports torch through the transports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..shared import content as content_mod
+from ..shared import fingerprint as fp
+from ..shared import limits
+from ..shared import protocol as proto
+from ..shared.identity import device_identity
+from ..shared.loader import ArenaLayout
+from ..shared.security import SecurityError, check_peer, peer_credentials
+from ..shared.sharding import ShardRule
+from ..shared.transport import Arena, available_transports
+from .config import RankConfig
+from .loading import LoadedShard
+from .updater import RankUpdater, UpdateConfig
+
+log = logging.getLogger("weightcache.daemon")
+
+IDLE_TIMEOUT_S = limits.REQUEST_DEADLINE_S  # a request must arrive whole within this
+MAX_CONNECTIONS = limits.MAX_CONNECTIONS
+MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
+ACCEPT_WAKE_S = 0.25  # how often the accept loop lets a pending signal handler run
+# Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Connection:
+    """One client connection: its peer `(pid, uid, gid)`, the pool whose slot it holds (the
+    attach pool, or the watch pool once it watches) and whether it received a tensor table."""
+
+    conn: socket.socket
+    peer: tuple[int, int, int]
+    pool: limits.PeerLimiter
+    started: float = field(default_factory=time.monotonic)
+    served_state: bool = False
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class Stats:
+    """Counters the node agent scrapes with the `stats` command."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, dict[str, int]] = {}
+        self.mismatches: dict[str, int] = {}
+        self.buckets = [0] * len(BUCKETS)
+        self.attach_count = 0
+        self.attach_sum = 0.0
+        self.watchers = 0
+        self.connections = 0
+
+    def request(self, command: str, result: str) -> None:
+        with self._lock:
+            per = self.requests.setdefault(command, {})
+            per[result] = per.get(result, 0) + 1
+
+    def mismatch(self, fields: list[str]) -> None:
+        with self._lock:
+            for name in fields:
+                if name in fp.FIELDS:  # a fixed set: never a key a client chose
+                    self.mismatches[name] = self.mismatches.get(name, 0) + 1
+
+    def attach(self, seconds: float) -> None:
+        with self._lock:
+            self.attach_count += 1
+            self.attach_sum += seconds
+            for i, bound in enumerate(BUCKETS):
+                if seconds <= bound:
+                    self.buckets[i] += 1
+
+    def adjust(self, name: str, delta: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": {k: dict(v) for k, v in self.requests.items()},
+                "mismatches": dict(self.mismatches),
+                "attach_seconds": {
+                    "buckets": [[b, c] for b, c in zip(BUCKETS, self.buckets, strict=True)]
+                    + [["+Inf", self.attach_count]],
+                    "sum": self.attach_sum,
+                    "count": self.attach_count,
+                },
+                "watchers": self.watchers,
+                "connections": self.connections,
+            }
+
+
+class RankServer:
+    """One rank's loaded arena, served to engines on its socket (thread per connection)."""
+
+    def __init__(
+        self,
+        *,
+        arena: Arena,
+        transport_name: str,
+        layout: ArenaLayout,
+        fingerprint: dict[str, Any],
+        identity: str,
+        device: torch.device,
+        rank: int,
+        tp_size: int,
+        role: str,
+        global_rank: int,
+        dp_rank: int,
+        load_seconds: float,
+        allowed_uids: set[int],
+        content: dict[str, content_mod.FileDigest] | None = None,
+    ) -> None:
+        self.arena: Arena | None = arena
+        self.transport_name = transport_name
+        self.table = layout.table()
+        self.aliases = layout.aliases
+        self.nbytes = layout.nbytes
+        self.fingerprint = fingerprint
+        self.identity = identity
+        self.device = device
+        self.rank = rank
+        self.tp_size = tp_size
+        self.global_rank = global_rank
+        self.dp_rank = dp_rank
+        self.role = role
+        self.load_seconds = load_seconds
+        self.allowed_uids = allowed_uids
+        self.content = content or {}
+        self.stats = Stats()
+        self._state_lock = threading.Lock()
+        self._watchers: set[socket.socket] = set()
+        self._slots = limits.PeerLimiter(MAX_CONNECTIONS, limits.PER_PID, limits.PER_UID,
+                                         own_uid=os.getuid())
+        self._watch_slots = limits.PeerLimiter(limits.MAX_WATCHERS, limits.WATCH_PER_PID)
+        # get_state replies that handed out the arena to a zero_copy engine: after `release`
+        # those engines may still map it, so its memory is not known to be freed.
+        self.zero_copy_attaches = 0
+        self.released_bytes = 0
+        self.stopping = threading.Event()
+        self.updates: RankUpdater | None = None  # set once built: in-place updates
+
+    # -- commands ---------------------------------------------------------------------------
+    def _device_info(self) -> dict[str, Any]:
+        return {"kind": self.device.type, "uuid": self.identity, "index": self.device.index or 0}
+
+    def cmd_hello(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return proto.ok(
+            protocol=proto.PROTOCOL_VERSION,
+            runtime_version=fp.RUNTIME_VERSION,
+            capabilities=available_transports(self.device),
+            transport=self.transport_name,
+            device=self._device_info(),
+            rank=self.rank,
+            tp_size=self.tp_size,
+            global_rank=self.global_rank,
+            dp_rank=self.dp_rank,
+            role=self.role,
+            ready=self.arena is not None,
+            pid=os.getpid(),
+            content=self.fingerprint.get("content"),
+            **({"update": self.updates.info()} if self.updates else {}),
+        ), []
+
+    def cmd_get_memory(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        held = self.arena is not None
+        return proto.ok(
+            bytes=self.nbytes if held else 0,
+            tensors=len(self.table) if held else 0,
+            device=self._device_info(),
+            released=not held,
+            # After release: bytes engines that attached zero_copy may still map (an upper
+            # bound; the kernel frees the pages when the last of them unmaps).
+            mapped_after_release=self.released_bytes if not held else 0,
+        ), []
+
+    def cmd_stats(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return proto.ok(
+            **self.stats.snapshot(),
+            rank=self.rank,
+            global_rank=self.global_rank,
+            dp_rank=self.dp_rank,
+            bytes=self.nbytes if self.arena is not None else 0,
+            load_seconds=self.load_seconds,
+            ready=self.arena is not None,
+            **({"updates": self.updates.snapshot()} if self.updates else {}),
+        ), []
+
+    def cmd_get_state(
+        self, req: dict[str, Any], pid: int = 0
+    ) -> tuple[dict[str, Any], list[int]]:
+        expected = req.get("fingerprint")
+        problem = fp.validate(expected)
+        if problem:
+            return proto.error(proto.E_BAD_REQUEST, f"get_state: {problem}"), []
+        wanted = req.get("transport")
+        mode = req.get("mode", "zero_copy")
+        if mode not in ("zero_copy", "copy"):
+            return proto.error(proto.E_BAD_REQUEST, "get_state: mode must be zero_copy or copy"), []
+        if wanted is not None and not isinstance(wanted, str):
+            return proto.error(proto.E_BAD_REQUEST, "get_state: transport must be a string"), []
+        if wanted is not None and wanted != self.transport_name:
+            return proto.error(
+                proto.E_TRANSPORT_UNAVAILABLE,
+                f"this rank serves transport {self.transport_name!r}, not {wanted!r}",
+                available=[self.transport_name],
+            ), []
+        if self.updates is None:
+            return self._state_reply(expected, mode, 1)
+        return self.updates.attach(
+            pid, mode, lambda generation: self._state_reply(expected, mode, generation))
+
+    def _state_reply(
+        self, expected: dict[str, Any], mode: str, generation: int
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Identity check, then the table and the arena's fds (under the updater's lock)."""
+        fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
+        if fields:
+            self.stats.mismatch(fields)
+            why = ""
+            if "content" in fields:
+                why = f" ({content_mod.verify_claim(self.content, expected.get('content'))})"
+            return proto.error(
+                proto.E_FINGERPRINT_MISMATCH,
+                f"cached shard differs in: {', '.join(fields)}{why}",
+                fields=fields,
+            ), []
+        with self._state_lock:
+            if self.arena is None:
+                return proto.error(proto.E_RELEASED, "the cache was released"), []
+            meta, fds = self.arena.export()
+            # Duplicates: a concurrent `release` may close the arena's own fds before we send.
+            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
+                             generation=generation)
+            if mode == "zero_copy":
+                self.zero_copy_attaches += 1
+            return reply, [os.dup(fd) for fd in fds]
+
+    def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Drop the daemon's arena: later engines fall back. Memory engines map stays theirs.
+
+        The reply says what was actually freed: `released` is the daemon's reference
+        (bytes); `still_mapped` is how much engines that attached zero_copy may keep mapped
+        (all of it when any did: the daemon cannot see their mappings end), so `freed` is
+        true only when no zero_copy engine ever attached.
+        """
+        with self._state_lock:
+            if self.arena is None:
+                return proto.ok(released=0, still_mapped=self.released_bytes, freed=False), []
+            if self.transport_name == "cuda_ipc" and self.zero_copy_attaches:
+                # Legacy CUDA IPC: memory an exporter frees is gone for its importers too
+                # (undefined behaviour per the CUDA docs), so never free it under engines.
+                return proto.error(
+                    proto.E_BUSY,
+                    f"{self.zero_copy_attaches} zero_copy engine(s) may map this cuda_ipc arena;"
+                    " releasing it would free memory under them (stop them first)",
+                ), []
+            arena, self.arena = self.arena, None
+            mapped = self.nbytes if self.zero_copy_attaches else 0
+            self.released_bytes = mapped
+        # Freeing a large arena takes a while; the client need not wait for it.
+        threading.Thread(target=arena.close, daemon=True).start()
+        log.info("rank %d released its arena (%d bytes; %d may stay mapped by %d zero_copy "
+                 "attach(es))", self.rank, self.nbytes, mapped, self.zero_copy_attaches)
+        return proto.ok(released=self.nbytes, still_mapped=mapped, freed=mapped == 0), []
+
+    # -- connections ------------------------------------------------------------------------
+    def handle(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
+        """Serve one connection: admit the peer, then answer its requests until it leaves."""
+        c = Connection(conn, peer, self._slots)
+        self.stats.adjust("connections", 1)
+        try:
+            if not self._admit(c):
+                return
+            while not self.stopping.is_set():
+                request = self._next_request(c)
+                if request is None or not self._answer(c, *request):
+                    return
+        except (OSError, proto.ProtocolError):
+            return
+        except Exception:  # never let one connection's surprise kill silently
+            log.exception("connection handler failed")
+            with contextlib.suppress(OSError, proto.ProtocolError):
+                proto.send_frame(conn, proto.error(proto.E_INTERNAL, "internal error"))
+        finally:
+            self._close(c)
+
+    def _admit(self, c: Connection) -> bool:
+        """The peer's uid must be allowed (`permission_denied` sent otherwise)."""
+        try:
+            check_peer(c.conn, self.allowed_uids)
+        except SecurityError as exc:
+            self.stats.request("connect", proto.E_PERMISSION_DENIED)
+            with contextlib.suppress(OSError):
+                c.conn.settimeout(1.0)
+                proto.send_frame(c.conn, proto.error(proto.E_PERMISSION_DENIED, str(exc)))
+            return False
+        return True
+
+    def _next_request(self, c: Connection) -> tuple[dict[str, Any], list[int]] | None:
+        """The next whole request and its fds; None when the connection ends.
+
+        One deadline for the whole request, however slowly its bytes come. A coordinator
+        holding a staged update waits on the other ranks (or nodes) between phases (its own
+        close aborts the update), so its connection may idle longer."""
+        hold = self.updates is not None and self.updates.owns(c.conn)
+        deadline = time.monotonic() + (self.updates.HOLD_S if hold else IDLE_TIMEOUT_S)
+        try:
+            return proto.recv_frame(c.conn, max_frame=MAX_REQUEST, deadline=deadline,
+                                    accept_fds=True)
+        except proto.PeerClosedError:
+            return None
+        except proto.ProtocolError as exc:
+            self.stats.request("invalid", exc.code)
+            with contextlib.suppress(OSError, proto.ProtocolError):
+                proto.send_frame(c.conn, proto.error(exc.code, str(exc)))
+            return None
+
+    def _answer(self, c: Connection, req: dict[str, Any], fds: list[int]) -> bool:
+        """Answer one request; False when the connection is done (watch ended, bad frame)."""
+        cmd = req.get("cmd")
+        if not isinstance(cmd, str) or len(cmd) > limits.MAX_COMMAND_LENGTH:
+            _close_fds(fds)
+            self.stats.request("invalid", proto.E_BAD_REQUEST)
+            proto.send_frame(c.conn, proto.error(proto.E_BAD_REQUEST, "cmd must be a short string"))
+            return True
+        c.conn.settimeout(IDLE_TIMEOUT_S)  # the reply must be taken in time, too
+        if fds and cmd not in proto.FD_COMMANDS:
+            _close_fds(fds)
+            self.stats.request("invalid", proto.E_BAD_FRAME)
+            proto.send_frame(c.conn, proto.error(proto.E_BAD_FRAME, f"{cmd!r} does not take fds"))
+            return False
+        if cmd in proto.UPDATE_COMMANDS and self.updates is not None:
+            self._update_command(c, cmd, req, fds)
+            return True
+        if cmd == "watch" and isinstance(req.get("participant"), dict) and self.updates:
+            self._participate(c, req["participant"])
+            return False
+        if cmd == "watch":
+            if self._watch(c.conn, c.peer):
+                self._to_watch_pool(c)
+                self._hold_watch(c.conn)
+            return False  # refused (`busy` sent) or done watching: the connection closes
+        self._command(c, cmd, req)
+        return True
+
+    def _update_command(self, c: Connection, cmd: str, req: dict[str, Any],
+                        fds: list[int]) -> None:
+        """An update phase (or `get_table`): the updater's, reserved to our own uid."""
+        assert self.updates is not None
+        if c.peer[1] != os.getuid() and cmd != "get_table":
+            # Engines of other uids may read the cache, never rewrite it.
+            _close_fds(fds)
+            self.stats.request(cmd, proto.E_PERMISSION_DENIED)
+            proto.send_frame(c.conn, proto.error(
+                proto.E_PERMISSION_DENIED, f"{cmd} is reserved to uid {os.getuid()}"))
+            return
+        try:
+            reply = self.updates.handle(c.conn, cmd, req, fds)
+        except Exception as exc:  # a bug must not take the rank down
+            log.exception("command %s failed", cmd)
+            reply = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}")
+        self.stats.request(cmd, "ok" if reply.get("ok") else reply.get("error", "?"))
+        proto.send_frame(c.conn, reply)
+
+    def _participate(self, c: Connection, spec: dict[str, Any]) -> None:
+        """An engine's update stream: a watcher (watch pool) that also answers."""
+        assert self.updates is not None
+        why = self._watch_slots.acquire(c.peer[0], c.peer[1])
+        if why:
+            self.stats.request("watch", proto.E_BUSY)
+            proto.send_frame(c.conn, proto.error(proto.E_BUSY, f"watch: {why}"))
+            return
+        self._to_watch_pool(c)
+        self.stats.request("watch", "ok")
+        self.stats.adjust("watchers", 1)
+        self._watchers.add(c.conn)
+        try:
+            self.updates.participate(c.conn, c.peer[0], spec)
+        finally:
+            self._watchers.discard(c.conn)
+            self.stats.adjust("watchers", -1)
+
+    def _to_watch_pool(self, c: Connection) -> None:
+        """A watcher holds a watch slot (taken already), no longer an attach slot."""
+        self._slots.release(c.peer[0], c.peer[1])
+        c.pool = self._watch_slots
+
+    def _command(self, c: Connection, cmd: str, req: dict[str, Any]) -> None:
+        """One of `protocol.COMMANDS`: its `cmd_*` method's reply, with the fds it hands out."""
+        handler = getattr(self, f"cmd_{cmd}", None) if cmd in proto.COMMANDS else None
+        if handler is None:
+            self.stats.request("unknown", proto.E_UNKNOWN_COMMAND)
+            proto.send_frame(
+                c.conn, proto.error(proto.E_UNKNOWN_COMMAND, f"unknown command {cmd!r}"))
+            return
+        try:
+            reply, fds = handler(req, c.peer[0]) if cmd == "get_state" else handler(req)
+        except Exception as exc:  # a bug must not take the rank down
+            log.exception("command %s failed", cmd)
+            reply, fds = proto.error(proto.E_INTERNAL, f"{type(exc).__name__}: {exc}"), []
+        self.stats.request(cmd, "ok" if reply.get("ok") else reply.get("error", "error"))
+        try:
+            proto.send_frame(c.conn, reply, fds)
+        finally:
+            _close_fds(fds)
+        if cmd == "get_state" and reply.get("ok"):
+            c.served_state = True
+
+    def _close(self, c: Connection) -> None:
+        """Abort the update this connection staged, count the attach, free its slot."""
+        if self.updates is not None:
+            self.updates.connection_closed(c.conn)
+        with contextlib.suppress(OSError):
+            c.conn.close()
+        if c.served_state:
+            self.stats.attach(time.monotonic() - c.started)
+        self.stats.adjust("connections", -1)
+        c.pool.release(c.peer[0], c.peer[1])
+
+    def _watch(self, conn: socket.socket, peer: tuple[int, int, int]) -> bool:
+        """Move the connection to the watch pool; False (and `busy` sent) when it is full."""
+        why = self._watch_slots.acquire(peer[0], peer[1])
+        if why:
+            self.stats.request("watch", proto.E_BUSY)
+            proto.send_frame(conn, proto.error(proto.E_BUSY, f"watch: {why}"))
+            return False
+        self.stats.request("watch", "ok")
+        try:
+            proto.send_frame(conn, proto.ok(watching=True, rank=self.rank))
+        except BaseException:
+            self._watch_slots.release(peer[0], peer[1])
+            raise
+        return True
+
+    def _hold_watch(self, conn: socket.socket) -> None:
+        """Hold the connection open until the peer leaves or the daemon stops."""
+        conn.settimeout(None)
+        self._watchers.add(conn)
+        self.stats.adjust("watchers", 1)
+        try:
+            while not self.stopping.is_set():
+                if not conn.recv(4096):
+                    return
+        except OSError:
+            return
+        finally:
+            self._watchers.discard(conn)
+            self.stats.adjust("watchers", -1)
+
+    def serve(self, listener: socket.socket) -> None:
+        # A process-directed signal may be delivered to any of torch's threads; then the main
+        # thread's accept() is not interrupted and Python's handler would wait for it forever.
+        # Waking up now and then lets the handler run (it then shuts the listener down).
+        listener.settimeout(ACCEPT_WAKE_S)
+        while not self.stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    return
+                raise
+            try:
+                peer = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            why = self._slots.acquire(peer[0], peer[1])
+            if why:
+                self.stats.request("connect", proto.E_BUSY)
+                with contextlib.suppress(OSError, proto.ProtocolError):
+                    conn.settimeout(0.5)
+                    proto.send_frame(conn, proto.error(proto.E_BUSY, why))
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self.handle, args=(conn, peer), daemon=True).start()
+            except RuntimeError:  # cannot start a thread: refuse rather than die
+                self._slots.release(peer[0], peer[1])
+                conn.close()
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        for conn in list(self._watchers):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        with self._state_lock:
+            if self.arena is not None:
+                self.arena.close()
+                self.arena = None
+
+
+def serve_shard(shard: LoadedShard, config: RankConfig, rules: list[ShardRule]) -> RankServer:
+    """The server of a loaded shard, with its updater (in-place updates re-plan the same way)."""
+    server = RankServer(
+        arena=shard.arena,
+        transport_name=shard.transport.name,
+        layout=shard.layout,
+        fingerprint=shard.fingerprint,
+        identity=device_identity(config.device, config.device_index),
+        device=shard.device,
+        rank=config.tp_rank,
+        tp_size=config.tp_size,
+        role=config.role,
+        global_rank=config.global_rank,
+        dp_rank=config.dp_rank,
+        load_seconds=shard.load_seconds,
+        allowed_uids={os.getuid(), *config.allowed_uids},
+        content=shard.record,
+    )
+    server.updates = RankUpdater(server, UpdateConfig(
+        rules=rules, tp_size=config.tp_size, tp_rank=config.tp_rank, dtype=config.dtype,
+        model=str(config.model)))
+    return server
