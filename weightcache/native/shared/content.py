@@ -46,6 +46,7 @@ from .checkpoint import CheckpointError, open_checkpoint
 
 CHUNK_BYTES = 256 * 1024
 DIGEST_BYTES = 16
+HASH = "sha256-128"  # named in every record and claim: another hash is another identity
 SAMPLES_PER_FILE = 2  # at least this many chunks of every file (all of a smaller file)
 SAMPLES_TOTAL = 8  # at least this many chunks over the whole checkpoint
 MAX_FILES = 4096  # a claim naming more files is refused (bounded client-supplied state)
@@ -80,6 +81,7 @@ class FileDigest:
     identity: FileIdentity
     chunk_bytes: int
     chunks: bytes  # DIGEST_BYTES per chunk, in order
+    hash: str = HASH
 
     @property
     def n_chunks(self) -> int:
@@ -103,6 +105,47 @@ def chunk_digest(data: bytes | memoryview) -> bytes:
 
 def n_chunks(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, math.ceil(size / chunk_bytes))
+
+
+class ChunkSink:
+    """Chunk digests of a set of files, filled in any order by the threads that read them.
+
+    The loader calls `add(path, first, view)` with bytes that start on the chunk grid (and
+    run to the file's end or a grid line); `record` refuses to build a record with a chunk
+    nobody hashed. Each slot is written by one thread only (jobs never share a chunk), so
+    no lock is needed for the bytes themselves.
+    """
+
+    def __init__(self, files: Mapping[Path, FileIdentity],
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.identities = dict(files)
+        self._chunks = {p: bytearray(n_chunks(i.size, chunk_bytes) * DIGEST_BYTES)
+                        for p, i in self.identities.items()}
+        self._seen = {p: bytearray(n_chunks(i.size, chunk_bytes))
+                      for p, i in self.identities.items()}
+
+    def covers(self, path: Path) -> bool:
+        return path in self._chunks
+
+    def add(self, path: Path, first: int, data: memoryview | bytes) -> None:
+        out, seen, step = self._chunks[path], self._seen[path], self.chunk_bytes
+        view = memoryview(data)
+        for k, at in enumerate(range(0, max(1, len(view)), step)):
+            index = first + k
+            out[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES] = chunk_digest(
+                view[at : at + step])
+            seen[index] = 1
+
+    def record(self) -> dict[str, FileDigest]:
+        out: dict[str, FileDigest] = {}
+        for path, ident in self.identities.items():
+            missing = self._seen[path].find(0)
+            if missing >= 0:
+                raise ContentError(f"{path}: chunk {missing} was never read")
+            out[path.name] = FileDigest(path.name, os.path.realpath(path), ident,
+                                        self.chunk_bytes, bytes(self._chunks[path]))
+        return out
 
 
 def _digest_range(fd: int, first: int, count: int, size: int, chunk_bytes: int) -> bytes:
@@ -224,16 +267,18 @@ def sample_claim(
     finally:
         for _, fd, _ in handles:
             os.close(fd)
-    return {"chunk": CHUNK_BYTES, "files": files}
+    return {"chunk": CHUNK_BYTES, "hash": HASH, "files": files}
 
 
 def _bad_claim(claim: Any) -> str | None:
     """Shape check of a client-supplied claim: bounded, and only the types we expect."""
-    if not isinstance(claim, dict) or set(claim) != {"chunk", "files"}:
-        return "claim must be a map with exactly chunk and files"
+    if not isinstance(claim, dict) or set(claim) != {"chunk", "hash", "files"}:
+        return "claim must be a map with exactly chunk, hash and files (an older client?)"
     files = claim["files"]
     if not isinstance(claim["chunk"], int) or not isinstance(files, dict):
         return "claim has a bad chunk size or file map"
+    if not isinstance(claim["hash"], str) or len(claim["hash"]) > 64:
+        return "claim has a bad hash name"
     if len(files) > MAX_FILES:
         return f"claim names more than {MAX_FILES} files"
     for name, entry in files.items():
@@ -263,6 +308,9 @@ def verify_claim(record: Mapping[str, FileDigest], claim: Any) -> str | None:
         return "no checkpoint on disk holds the served bytes"
     if claim["chunk"] != CHUNK_BYTES or any(d.chunk_bytes != CHUNK_BYTES for d in record.values()):
         return f"chunk size {claim['chunk']} differs from {CHUNK_BYTES}"
+    kinds = {d.hash for d in record.values()}
+    if kinds != {claim["hash"]}:
+        return f"the claim's digests are {claim['hash']!r}, the cache's {sorted(kinds)}"
     files = claim["files"]
     if set(files) != set(record):
         return "the checkpoint holds other files"
@@ -302,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "content": content_root(digests),
         "chunk_bytes": CHUNK_BYTES,
+        "hash": HASH,
         "files": {n: {"bytes": d.identity.size, "root": d.root}
                   for n, d in sorted(digests.items())},
     }))
