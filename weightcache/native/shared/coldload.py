@@ -532,11 +532,11 @@ def load_layout(layout: Any, flat: torch.Tensor, **kwargs: Any) -> LoadStats:
     return load_entries(list(layout.entries), flat, **kwargs)
 
 
-def drop_page_cache(paths: list[Path | str]) -> bool:
+def drop_page_cache(paths: list[Path | str], *, everything: bool = True) -> bool:
     """Evict the files from the page cache; True when the global drop also worked.
 
     `posix_fadvise(DONTNEED)` works for any user on clean pages of these files; writing
-    /proc/sys/vm/drop_caches (root only) drops everything else as well.
+    /proc/sys/vm/drop_caches (root only, and only with `everything`) drops everything else.
     """
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -545,6 +545,8 @@ def drop_page_cache(paths: list[Path | str]) -> bool:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if not everything:
+        return False
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:
