@@ -20,7 +20,9 @@ with `--smoke`, which CI runs): device read, `load_file`, `from_pretrained`, the
 loader, `weightcache preload` cold and warm with READY's phases, on the three layouts. Attach,
 copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the checkpoint's files
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
-Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}.
+Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
+list of attach, restart, scaling (CUDA) and prefetch (READY cold again with the rank's
+torch-free prefetcher reading while torch imports: what start-up overlap saves).
 """
 
 from __future__ import annotations
@@ -466,7 +468,7 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["loader_cold"] = _safe("loader cold", loader_runs, model_dir, cfgs, True)
     # READY cold on every layout: the cache must beat from_pretrained on each of them.
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
-    if grid:
+    if full and (grid or "prefetch" in parts):  # reading while the rank imports torch
         r["preload_cold_prefetch"] = _safe("preload cold, prefetch on", preload_once,
                                               model_dir, files, True,
                                               {"WEIGHTCACHE_LOAD_PREFETCH": "1"})
@@ -534,6 +536,11 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         for key in ("load_file_cold", "from_pretrained_cold"):
             if s.get(f"{key}_s"):
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
+    pp = _get(r, "preload_cold_prefetch", "ready")
+    if pp:
+        s["preload_cold_prefetch_ready_s"] = pp.get("seconds")
+        s["preload_cold_prefetch_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
+        s["preload_cold_prefetch_phases"] = _phases(pp)
     lw = _get(r, "loader_warm")
     if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
         s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]
