@@ -199,3 +199,49 @@ def test_a_rank_whose_checkpoint_is_truncated_exits_1_and_leaves_nothing(tmp_pat
     assert str(victim) in err and "truncated" in err, err
     assert "Traceback" not in err, err
     assert os.listdir(sock_dir) == [], os.listdir(sock_dir)
+
+
+# Tensors of several chunks each, so that half a tensor is whole chunks.
+WIDE = LlamaShape(hidden=1024, layers=1, intermediate=2048, vocab=2048, heads=8, kv_heads=4,
+                  tied=False)
+
+
+def test_a_tensor_parallel_rank_digests_its_share_and_claims_sample_within_it(tmp_path):
+    """TP ranks read and hash only the chunks their tensors come from (not every file whole);
+    the client samples among the same chunks (its own layout), so identity holds for every
+    byte the rank serves, and a claim sampled outside the share is refused."""
+    from weightcache.native.shared.coldload import share_chunks
+
+    model = write_llama_checkpoint(tmp_path / "wide", WIDE, files=2)
+    ckpt, _ = _layout(model)
+    audit = content.digest_files(ckpt.files)
+    seen: set[tuple[str, int]] = set()
+    for rank in range(2):
+        _, lay = _layout(model, 2, rank)
+        flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+        stats = load_into_arena(lay, flat, digest=list(ckpt.files), share=True)
+        share = {p.name: c for p, c in share_chunks(list(lay.entries)).items()}
+        record = stats.record
+        hashed = sum(len(d.covered) for d in record.values())
+        assert hashed < sum(d.n_chunks for d in audit.values())  # not every file whole
+        for name, d in record.items():
+            assert d.covered == frozenset(share.get(name, ()))
+            for i in d.covered:  # the digests it holds are the audit's
+                assert d.chunk(i) == audit[name].chunk(i)
+                seen.add((name, i))
+        claim = content.sample_claim(ckpt.files, coverage=share)
+        assert content.verify_claim(record, claim) is None
+        outside = {n: [i for i in range(audit[n].n_chunks) if i not in share.get(n, ())]
+                   for n in audit}
+        name = next(n for n, idx in outside.items() if idx)
+        bad = content.sample_claim(ckpt.files, coverage={**share, name: outside[name]})
+        assert "not in this rank's share" in (content.verify_claim(record, bad) or "")
+        # A changed chunk inside the share is caught: its digest differs.
+        wrong = {**claim, "files": dict(claim["files"])}
+        entry = dict(wrong["files"][name])
+        index = entry["samples"][0][0]
+        entry["samples"] = [[index, bytes(16)], *entry["samples"][1:]]
+        wrong["files"][name] = entry
+        assert "differs" in (content.verify_claim(record, wrong) or "")
+    # Together the ranks cover every chunk that holds tensor bytes.
+    assert seen

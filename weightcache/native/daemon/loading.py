@@ -136,14 +136,15 @@ def fill(config: RankConfig, layout: ArenaLayout, arena: Arena, device: torch.de
 
     ticker = Ticker(report, LOADING_INTERVAL_S).start()
     try:
-        # One rank reads every byte it digests once, O_DIRECT where the page cache lacks it.
-        # With several ranks on a node each digests whole files: buffered reads let them
-        # share one pass of the disk through the page cache (O_DIRECT would read it TP
-        # times). An explicit WEIGHTCACHE_LOAD_DIRECT still wins.
-        direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") or config.tp_size == 1 \
-            else False
+        # A rank reads every byte it digests once, O_DIRECT where the page cache lacks it.
+        # With tensor parallelism each rank digests only the chunks it reads (its engines'
+        # claims sample those), but ranks' ranges overlap (a tensor split along an inner
+        # dimension is read whole by each): buffered reads let them share one pass of the
+        # disk through the page cache. An explicit WEIGHTCACHE_LOAD_DIRECT still wins.
+        share = config.tp_size > 1
+        direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") or not share else False
         loaded = load_into_arena(layout, arena.tensor(), progress=done.add, direct=direct,
-                                 digest=list(files))
+                                 digest=list(files), share=share)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:

@@ -447,7 +447,8 @@ class RankUpdater:
             try:
                 # One pass: the parallel loader reads every byte of the files once into
                 # staging and digests it from there; the files' identities bracket it.
-                stats = load_into_arena(layout, buffer, digest=list(ckpt.files))
+                stats = load_into_arena(layout, buffer, digest=list(ckpt.files),
+                                        share=cfg.tp_size > 1)
             except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
             record = stats.record or {}

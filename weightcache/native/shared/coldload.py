@@ -137,13 +137,36 @@ def raw_range(entry: Any) -> tuple[int, int] | None:
     return src.offset + spec.start * inner, spec.length * inner
 
 
-def plan_jobs(entries: list[Any], chunk: int,
-              cover: dict[Path, int] | None = None) -> list[Job]:
+def read_ranges(entries: list[Any]) -> dict[Path, list[tuple[int, int]]]:
+    """File byte ranges (offset, nbytes) the entries' bytes come from, per file."""
+    out: dict[Path, list[tuple[int, int]]] = {}
+    for entry in entries:
+        if entry.nbytes == 0:
+            continue
+        found = raw_range(entry) or (entry.source.offset, entry.source.nbytes)
+        out.setdefault(Path(entry.source.file), []).append(found)
+    return out
+
+
+def share_chunks(entries: list[Any]) -> dict[Path, set[int]]:
+    """The content chunks a rank's entries read, per file: what a tensor-parallel rank
+    digests, and where its engines' claims sample (the same function on both sides)."""
+    out: dict[Path, set[int]] = {}
+    for path, ranges in read_ranges(entries).items():
+        chunks = out.setdefault(path, set())
+        for offset, nbytes in ranges:
+            chunks.update(range(offset // CHUNK_BYTES, (offset + nbytes - 1) // CHUNK_BYTES + 1))
+    return out
+
+
+def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = None,
+              share: dict[Path, set[int]] | None = None) -> list[Job]:
     """Split the layout into jobs of at most `chunk` bytes of contiguous file data each.
 
     Direct copies are grouped by file and file order, so reads stay sequential; each staged
     (converted) tensor is one job, read in chunks by one thread. Files in `cover` (path ->
-    size) are read whole, in jobs that start and end on the content chunk grid (`_cover`).
+    size) are read whole, in jobs that start and end on the content chunk grid (`_cover`);
+    with `share`, only those chunks of them.
     """
     jobs: list[Job] = []
     by_file: dict[Path, list[Piece]] = {}
@@ -158,7 +181,8 @@ def plan_jobs(entries: list[Any], chunk: int,
         offset, nbytes = found
         by_file.setdefault(Path(entry.source.file), []).append(Piece(offset, nbytes, entry.offset))
     for path, size in sorted((cover or {}).items()):
-        jobs.extend(_cover(path, size, by_file.pop(path, []), chunk))
+        chunks = None if share is None else share.get(path, set())
+        jobs.extend(_cover(path, size, by_file.pop(path, []), chunk, chunks))
     # Files in name order, each front to back: the order `prefetch` warms them in.
     for path, pieces in sorted(by_file.items()):
         pieces.sort(key=lambda p: p.file_offset)
@@ -178,12 +202,23 @@ def plan_jobs(entries: list[Any], chunk: int,
     return jobs
 
 
-def _cover(path: Path, size: int, pieces: list[Piece], chunk: int) -> list[Job]:
-    """Jobs reading all of [0, size) on the chunk grid, each with the pieces it holds."""
+def _cover(path: Path, size: int, pieces: list[Piece], chunk: int,
+           chunks: set[int] | None = None) -> list[Job]:
+    """Jobs reading [0, size) (or its `chunks`) on the chunk grid, with the pieces they hold."""
     span = max(CHUNK_BYTES, chunk - chunk % CHUNK_BYTES)
     pieces = sorted(pieces, key=lambda p: p.file_offset)
-    jobs = [Job(path, start, min(size, start + span), digest=True)
-            for start in range(0, max(size, 1), span)]
+    if chunks is None:
+        runs = [(0, max(size, 1))]
+    else:  # maximal runs of consecutive chunks, as byte ranges
+        runs = []
+        for index in sorted(chunks):
+            lo = index * CHUNK_BYTES
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], lo + CHUNK_BYTES)
+            else:
+                runs.append((lo, lo + CHUNK_BYTES))
+    jobs = [Job(path, start, min(size, start + span, hi), digest=True)
+            for lo, hi in runs for start in range(lo, min(hi, max(size, 1)), span)]
     index = 0
     for piece in pieces:
         pos, left, dst = piece.file_offset, piece.nbytes, piece.arena_offset
@@ -384,6 +419,7 @@ def load_entries(
     direct: bool | str | None = None,
     progress: Callable[[int], None] | None = None,
     digest: list[Path | str] | None = None,
+    share: bool = False,
 ) -> LoadStats:
     """Fill the arena `flat` (uint8, 1-D; CUDA or CPU) with loader `Entry` objects.
 
@@ -391,8 +427,10 @@ def load_entries(
     and `WEIGHTCACHE_LOAD_DIRECT`; `progress(n)` is called (from the loader's threads) with
     the arena bytes of each finished read as they are queued to the device. With `digest`
     (the checkpoint's files), those files are read whole and `stats.record` is their content
-    record, from the same pass. Raises ContentError when a file changed under the load; an
-    exception in the caller's thread (a signal's) stops every reader before it propagates.
+    record, from the same pass; with `share`, only the chunks the entries read (a
+    tensor-parallel rank's share, `share_chunks`). Raises ContentError when a file changed
+    under the load; an exception in the caller's thread (a signal's) stops every reader
+    before it propagates.
     Returns what was moved and how fast.
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1:
@@ -407,7 +445,7 @@ def load_entries(
         mode = False
     opened: dict[Path, int] = {}
     try:
-        sink = _open_files(entries, digest, opened)
+        sink = _open_files(entries, digest, opened, share)
         return _load(entries, flat, threads, chunk, mode, progress, sink, opened)
     finally:
         for fd in opened.values():
@@ -415,7 +453,7 @@ def load_entries(
 
 
 def _open_files(entries: list[Any], digest: list[Path | str] | None,
-                opened: dict[Path, int]) -> ChunkSink | None:
+                opened: dict[Path, int], share: bool = False) -> ChunkSink | None:
     """Open every file once, before any read (their identities bracket the load)."""
     paths = {Path(e.source.file) for e in entries} | {Path(p) for p in digest or ()}
     idents = {}
@@ -433,7 +471,8 @@ def _open_files(entries: list[Any], digest: list[Path | str] | None,
                                "truncated or replaced since it was opened")
     if digest is None:
         return None
-    return ChunkSink({Path(p): idents[Path(p)] for p in digest})
+    return ChunkSink({Path(p): idents[Path(p)] for p in digest},
+                     coverage=share_chunks(entries) if share else None)
 
 
 def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:
@@ -455,7 +494,8 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
-    jobs = plan_jobs(entries, span_of(chunk), cover)
+    jobs = plan_jobs(entries, span_of(chunk), cover,
+                     None if sink is None or sink.coverage is None else sink.coverage)
     # Buffers as large as the largest read (small loads need small ones; a digested job
     # spans whole content chunks).
     largest = max((j.end - j.start if j.entry is None else min(j.end - j.start, span_of(chunk))

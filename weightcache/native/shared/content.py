@@ -80,8 +80,11 @@ class FileDigest:
     path: str  # absolute real path the daemon read
     identity: FileIdentity
     chunk_bytes: int
-    chunks: bytes  # DIGEST_BYTES per chunk, in order
+    chunks: bytes  # DIGEST_BYTES per chunk, in order (zeros where not `covered`)
     hash: str = HASH
+    # None: every chunk. Otherwise the chunks one tensor-parallel rank reads (`share`): its
+    # claims sample only those, as the client computes them from its own layout.
+    covered: frozenset[int] | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -95,7 +98,12 @@ class FileDigest:
         """The file's full content digest (hex): chunk size, size and every chunk digest."""
         h = hashlib.sha256()
         h.update(f"{self.chunk_bytes}:{self.identity.size}:".encode())
-        h.update(self.chunks)
+        if self.covered is None:
+            h.update(self.chunks)
+            return h.hexdigest()
+        h.update(b"share:")
+        for index in sorted(self.covered):
+            h.update(index.to_bytes(8, "little") + self.chunk(index))
         return h.hexdigest()
 
 
@@ -116,10 +124,12 @@ class ChunkSink:
     no lock is needed for the bytes themselves.
     """
 
-    def __init__(self, files: Mapping[Path, FileIdentity],
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, files: Mapping[Path, FileIdentity], chunk_bytes: int = CHUNK_BYTES,
+                 coverage: Mapping[Path, set[int]] | None = None) -> None:
         self.chunk_bytes = chunk_bytes
         self.identities = dict(files)
+        self.coverage = None if coverage is None else {
+            p: frozenset(coverage.get(p, ())) for p in self.identities}
         self._chunks = {p: bytearray(n_chunks(i.size, chunk_bytes) * DIGEST_BYTES)
                         for p, i in self.identities.items()}
         self._seen = {p: bytearray(n_chunks(i.size, chunk_bytes))
@@ -140,11 +150,15 @@ class ChunkSink:
     def record(self) -> dict[str, FileDigest]:
         out: dict[str, FileDigest] = {}
         for path, ident in self.identities.items():
-            missing = self._seen[path].find(0)
-            if missing >= 0:
-                raise ContentError(f"{path}: chunk {missing} was never read")
+            seen = self._seen[path]
+            covered = None if self.coverage is None else self.coverage[path]
+            wanted = range(len(seen)) if covered is None else covered
+            missing = [i for i in wanted if not seen[i]]
+            if missing:
+                raise ContentError(f"{path}: chunk {missing[0]} was never read")
             out[path.name] = FileDigest(path.name, os.path.realpath(path), ident,
-                                        self.chunk_bytes, bytes(self._chunks[path]))
+                                        self.chunk_bytes, bytes(self._chunks[path]),
+                                        covered=covered)
         return out
 
 
@@ -237,12 +251,16 @@ def _sample_counts(sizes: Mapping[str, int], chunk_bytes: int) -> dict[str, int]
 
 
 def sample_claim(
-    paths: Iterable[str | os.PathLike], *, rng: random.Random | None = None
+    paths: Iterable[str | os.PathLike],
+    *,
+    rng: random.Random | None = None,
+    coverage: Mapping[str, Iterable[int]] | None = None,
 ) -> dict[str, Any]:
     """What the client asserts about the files it would load: identities and sampled digests.
 
-    Reads a few random chunks per file (SAMPLES_PER_FILE, SAMPLES_TOTAL); raises OSError
-    when a file cannot be read.
+    Reads a few random chunks per file (SAMPLES_PER_FILE, SAMPLES_TOTAL); with `coverage`
+    (base name -> chunk indices: a tensor-parallel rank's share, `coldload.share_chunks`)
+    only among those. Raises OSError when a file cannot be read.
     """
     rng = rng or random.SystemRandom()
     files: dict[str, Any] = {}
@@ -256,8 +274,9 @@ def sample_claim(
             sizes[path.name] = handles[-1][2].size
         counts = _sample_counts(sizes, CHUNK_BYTES)
         for path, fd, ident in handles:
-            total = n_chunks(ident.size)
-            picks = sorted(rng.sample(range(total), counts[path.name]))
+            pool = range(n_chunks(ident.size)) if coverage is None else sorted(
+                set(coverage.get(path.name, ())))
+            picks = sorted(rng.sample(pool, min(len(pool), counts[path.name])))
             samples = []
             for index in picks:
                 data = os.pread(fd, CHUNK_BYTES, index * CHUNK_BYTES)
@@ -323,11 +342,13 @@ def verify_claim(record: Mapping[str, FileDigest], claim: Any) -> str | None:
             mine.identity.dev, mine.identity.ino)
         if same_file and ident != mine.identity:
             return f"{name} was rewritten since it was cached (mtime/ctime/inode changed)"
-        if not entry["samples"] and mine.n_chunks:
+        if not entry["samples"] and (mine.covered if mine.covered is not None else mine.n_chunks):
             return f"{name}: no sampled chunks"
         for index, digest in entry["samples"]:
             if not 0 <= index < mine.n_chunks:
                 return f"{name}: chunk {index} is out of range"
+            if mine.covered is not None and index not in mine.covered:
+                return f"{name}: chunk {index} is not in this rank's share"
             if digest != mine.chunk(index):
                 return f"{name}: chunk {index} differs from the cached bytes"
     return None

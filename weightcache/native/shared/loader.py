@@ -138,6 +138,7 @@ def load_into_arena(
     progress: Callable[[int], None] | None = None,
     direct: bool | str | None = None,
     digest: list[Any] | None = None,
+    share: bool = False,
 ) -> LoadStats:
     """Read each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
 
@@ -146,11 +147,13 @@ def load_into_arena(
     a file truncated under the load is an error naming it, never a SIGBUS. `progress(n)` is
     called with the arena bytes of each piece as it is filled; `direct` is the O_DIRECT mode
     (None: `WEIGHTCACHE_LOAD_DIRECT`, default auto); `digest` (the checkpoint's files) makes
-    the returned stats carry their content record, from the same pass.
+    the returned stats carry their content record, from the same pass (with `share`, of the
+    chunks this layout reads only: a tensor-parallel rank's record).
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
-    return load_layout(layout, flat, progress=progress, direct=direct, digest=digest)
+    return load_layout(layout, flat, progress=progress, direct=direct, digest=digest,
+                       share=share)
 
 
 def tensors_from_table(
