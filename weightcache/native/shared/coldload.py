@@ -55,6 +55,7 @@ DEFAULT_THREADS = 32
 # A power of two matches torch's pinned-memory size classes; 32 x 2 x 16 MiB = 1 GiB pinned.
 DEFAULT_CHUNK = 16 * MiB
 PAGE = 4096
+MAX_OPEN_PER_THREAD = 32  # descriptors a reader thread keeps open (threads x files otherwise)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ class _Reader:
     def fd(self, path: Path, direct: bool) -> int:
         key = (path, direct)
         if key not in self.fds:
+            if len(self.fds) >= MAX_OPEN_PER_THREAD:  # a checkpoint of thousands of files
+                self.close()
             flags = os.O_RDONLY | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if direct else 0)
             base = self.opened.get(path)
             # The inode opened before the load, even if the path now names another file.
