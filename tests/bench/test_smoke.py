@@ -17,7 +17,7 @@ import pytest
 from weightcache.bench.report import SECTIONS
 
 # Sections that measure a GPU and say so on CPU; every other section must really run here.
-CUDA_ONLY = {"gpu", "load"}
+CUDA_ONLY = {"gpu"}
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from weightcache.native.shared import coldload, gpu, identity
+from weightcache.native.shared import coldload, content, gpu, identity
 from weightcache.native.shared.checkpoint import open_checkpoint
 from weightcache.native.shared.loader import load_into_arena, plan_layout
 from weightcache.native.shared.sharding import parse_rules
@@ -137,8 +137,10 @@ def test_coldload_into_cuda_matches_reference(small_model, tp, dtype, direct):
         load_into_arena(layout, want)
         got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
         stats = coldload.load_entries(list(layout.entries), got, threads=4, chunk=MiB,
-                                      direct=direct)
+                                      direct=direct, digest=list(ckpt.files))
         assert stats.nbytes == sum(e.nbytes for e in layout.entries)
+        # The digest hashed in the reader threads from the pinned buffers is the audit's.
+        assert stats.record == content.digest_files(ckpt.files)
         got = got.cpu()
         for e in layout.entries:
             assert torch.equal(got[e.offset : e.offset + e.nbytes],

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcache.native.shared import coldload, gpu
+from weightcache.native.shared import coldload, content, gpu
 from weightcache.native.shared.checkpoint import open_checkpoint
-from weightcache.native.shared.loader import load_into_arena, plan_layout
+from weightcache.native.shared.loader import plan_layout
 from weightcache.native.shared.sharding import parse_rules
 from weightcache.native.shared.transport import (
     TransportError,
@@ -147,6 +147,21 @@ def _checkpoint(tmp_path):
     return open_checkpoint(tmp_path)
 
 
+def _reference_arena(layout) -> torch.Tensor:
+    """The arena built from safetensors' own reader (independent of the loader under test)."""
+    from safetensors.torch import load_file
+
+    files = {e.source.file for e in layout.entries}
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    out = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8)
+    for e in layout.entries:
+        value = tensors[e.name]
+        if e.spec.dim is not None:
+            value = value.narrow(e.spec.dim, e.spec.start, e.spec.length)
+        out[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.spec.shape).copy_(value)
+    return out
+
+
 @pytest.mark.parametrize(
     ("tp", "dtype", "chunk", "threads", "direct"),
     [
@@ -161,12 +176,13 @@ def test_coldload_matches_the_reference_loader(tmp_path, tp, dtype, chunk, threa
     rules = parse_rules(None)
     for rank in range(tp):
         layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank, dtype=dtype)
-        want = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8)
-        load_into_arena(layout, want)
+        want = _reference_arena(layout)
         got = torch.full((layout.nbytes,), 0x5A, dtype=torch.uint8)
         stats = coldload.load_entries(
-            list(layout.entries), got, threads=threads, chunk=chunk, direct=direct
+            list(layout.entries), got, threads=threads, chunk=chunk, direct=direct,
+            digest=list(ckpt.files),
         )
+        assert stats.record == content.digest_files(ckpt.files)  # the CUDA path's hashing
         # Padding between tensors differs (poison values); every tensor's bytes must match.
         for entry in layout.entries:
             a = want[entry.offset : entry.offset + entry.nbytes]

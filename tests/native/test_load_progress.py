@@ -71,14 +71,15 @@ def test_loader_is_byte_equal_to_safetensors(layout_dir, mode):
         assert stats.direct_bytes == 0
 
 
-def test_cpu_loader_reports_progress_per_tensor(layout_dir):
+def test_cpu_loader_reports_progress_per_read(layout_dir):
+    """The CPU arena goes through the same parallel reader: progress per finished read."""
     ckpt = open_checkpoint(layout_dir)
     lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=2, tp_rank=1)
     seen: list[int] = []
     flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
     load_into_arena(lay, flat, progress=seen.append)
     assert sum(seen) == sum(e.nbytes for e in lay.entries)
-    assert len(seen) == sum(1 for e in lay.entries if e.nbytes)
+    assert all(n > 0 for n in seen) and seen
 
 
 def test_direct_mode_values():

@@ -1,6 +1,7 @@
-"""GPU section `load`: cold and warm load, attach and engine restart on real checkpoint layouts.
+"""Section `load`: cold and warm load, attach and engine restart on real checkpoint layouts.
 
-A Llama-3.1-8B-shaped `LlamaForCausalLM` (random bf16 weights, built on the GPU) is written in
+On CUDA, a Llama-3.1-8B-shaped `LlamaForCausalLM` (random bf16 weights, built on the GPU) is
+written in
 three layouts users have: `save_pretrained` shards with an index (`sharded`), one large
 `model.safetensors` (`single`), and one file per tensor with an index (`many`). For each, with
 the page cache dropped and then warm, in the same run:
@@ -12,7 +13,16 @@ then, on `sharded`: attach through the public client (zero copy, and copy end to
 cProfile of the attach, attach time against tensor count and shard size (sparse files, up to
 64 GB), and engine restarts (`weightcache.bench.restart`) from the cache and from disk.
 Figures are reported as ratios against those baselines; targets are shown, never asserted.
-Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}.
+The content digest's own cost (`hash`: GB/s on one core and on all of them) is measured first.
+
+With `--device cpu` the same sections run against a memfd arena (a smaller Llama shape; tiny
+with `--smoke`, which CI runs): device read, `load_file`, `from_pretrained`, the in-process
+loader, `weightcache preload` cold and warm with READY's phases, on the three layouts. Attach,
+copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the checkpoint's files
+(`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
+Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
+list of attach, restart, scaling (CUDA) and prefetch (READY cold again with the rank's
+torch-free prefetcher reading while torch imports: what start-up overlap saves).
 """
 
 from __future__ import annotations
@@ -40,8 +50,25 @@ MiB = 1 << 20
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+# Smaller shapes for CPU runs: about 0.9 GB, and a few MB at --smoke.
+LLAMA_CPU = {**LLAMA_8B, "hidden_size": 1024, "intermediate_size": 3584,
+             "num_hidden_layers": 16, "vocab_size": 32000}
+LLAMA_SMOKE = {**LLAMA_8B, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
 TARGETS = {"cold_vs_device_read_min": 0.95, "warm_gb_per_s_min": 15.0,
            "attach_ms_max": 10.0, "copy_tb_per_s_min": 1.5}
+DEVICE = "cuda"  # set by main: "cuda" or "cpu"
+
+
+def _cuda() -> bool:
+    return DEVICE == "cuda"
+
+
+def _sync() -> None:
+    if _cuda():
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def log(msg: str) -> None:
@@ -59,12 +86,12 @@ def _safe(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
 
 
 # -- checkpoints ----------------------------------------------------------------------------
-def build_model() -> Any:
+def build_model(shape: dict[str, Any] = LLAMA_8B) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA_8B)
-    with torch.device("cuda"):
+    config = LlamaConfig(**shape)
+    with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
@@ -82,7 +109,9 @@ def write_layout(model: Any, kind: str, path: Path, limit_gb: float | None) -> d
     path.mkdir(parents=True)
     t0 = time.perf_counter()
     if kind == "sharded":
-        model.save_pretrained(path, max_shard_size="5GB")
+        # 4 shards of the 8B shape; on CPU as many of the smaller shapes.
+        shard = "5GB" if _cuda() else f"{max(1, model.num_parameters() * 2 // 4 // MiB)}MB"
+        model.save_pretrained(path, max_shard_size=shard)
     else:
         model.config.save_pretrained(path)
         state = {}
@@ -114,7 +143,91 @@ def write_layout(model: Any, kind: str, path: Path, limit_gb: float | None) -> d
 def drop(files: list[Path]) -> None:
     from weightcache.native.shared.coldload import drop_page_cache
 
-    drop_page_cache(files)
+    drop_page_cache(files, everything=_cuda())  # the GPU box is ours alone, CI's is shared
+
+
+def hash_figures(smoke: bool) -> dict[str, Any]:
+    """The content digest's cost: GB/s of its hash over content chunks, one core and all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightcache.native.shared import content
+
+    size = (16 if smoke else 512) * MiB
+    data = memoryview(os.urandom(MiB) * (size // MiB))
+    step = content.CHUNK_BYTES
+    chunks = [data[i : i + step] for i in range(0, size, step)]
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        if n == 1:
+            for c in chunks:
+                content.chunk_digest(c)
+        else:
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(content.chunk_digest, chunks, chunksize=16))
+        return size / (time.perf_counter() - t0) / GB
+
+    cores = os.cpu_count() or 1
+    one = max(run(1) for _ in range(3))
+    every = max(run(cores) for _ in range(3))
+    return {"hash": content.HASH, "chunk_kib": step // 1024, "cores": cores,
+            "one_core_gb_per_s": round(one, 2), "all_cores_gb_per_s": round(every, 2),
+            "one_core_seconds_per_gb": round(1 / one, 3),
+            "cores_for_15_gb_per_s": round(15 / one, 1)}
+
+
+def load_file_once(files: list[Path]) -> dict[str, Any]:
+    """safetensors `load_file` onto the device; on CPU its lazy mmap is cloned (bytes read)."""
+    import torch
+    from safetensors.torch import load_file
+
+    _sync()
+    t0 = time.perf_counter()
+    total = 0
+    for f in files:
+        tensors = load_file(str(f), device="cuda:0" if _cuda() else "cpu")
+        if not _cuda():
+            tensors = {k: v.clone() for k, v in tensors.items()}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    _sync()
+    dt = time.perf_counter() - t0
+    if _cuda():
+        torch.cuda.empty_cache()
+    return {"seconds": round(dt, 3), "gb_per_s": round(total / dt / GB, 2)}
+
+
+def loader_runs(model: Path, configs: list[dict[str, Any]], cold: bool) -> list[dict]:
+    """The daemon's loader, with the digest, filling this device's arena in this process."""
+    import torch
+
+    from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
+    from weightcache.native.shared.loader import load_into_arena, plan_layout
+    from weightcache.native.shared.sharding import parse_rules
+    from weightcache.native.shared.transport import default_transport
+
+    ckpt = open_checkpoint(model)
+    layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0,
+                         aliases=tied_aliases(ckpt))
+    device = torch.device("cuda", 0) if _cuda() else torch.device("cpu")
+    out = []
+    for cfg in configs:
+        if cold:
+            drop(ckpt.files)
+        else:
+            g._warm(ckpt.files)
+        t0 = time.perf_counter()
+        arena = default_transport(device).allocate(layout.nbytes, device)
+        t_alloc = time.perf_counter() - t0
+        stats = load_into_arena(layout, arena.tensor(), digest=list(ckpt.files), **cfg)
+        total = time.perf_counter() - t0
+        arena.close()
+        if _cuda():
+            torch.cuda.empty_cache()
+        out.append({**stats.as_dict(), "alloc_seconds": round(t_alloc, 3),
+                    "total_seconds": round(total, 3),
+                    "total_gb_per_s": round(layout.nbytes / total / GB, 2)})
+    return out
 
 
 def cat_read(files: list[Path]) -> dict[str, Any]:
@@ -130,14 +243,16 @@ def from_pretrained(path: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
-    torch.cuda.synchronize()
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                             device_map=DEVICE if _cuda() else None)
+    _sync()
     dt = time.perf_counter() - t0
     n = sum(p.numel() * p.element_size() for p in m.parameters())
     del m
-    torch.cuda.empty_cache()
+    if _cuda():
+        torch.cuda.empty_cache()
     return {"seconds": round(dt, 3), "gb_per_s": round(n / dt / GB, 3)}
 
 
@@ -146,7 +261,7 @@ class Launcher:
 
     def __init__(self, model: Path, sockdir: Path, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
-               "--device", "cuda", "--weight-cache-socket-dir", str(sockdir)]
+               "--device", DEVICE, "--weight-cache-socket-dir", str(sockdir)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
@@ -336,36 +451,36 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     files = g._files(model_dir)
     r: dict[str, Any] = {}
     nbytes = None
-    full = kind == "sharded"  # the daemon runs (same loader) on the main layout only
+    full = kind == "sharded"  # warm preload, cat and the grid on the main layout only
     if full:
         drop(files)
         r["cat_cold"] = _safe("cat cold", cat_read, files)
     drop(files)
     r["direct_cold"] = _safe("32x64MiB O_DIRECT cold", g.raw_read_rate, files, 32, True)
     drop(files)
-    r["load_file_cold"] = _safe("load_file cold", g.time_load_file, files)
+    r["load_file_cold"] = _safe("load_file cold", load_file_once, files)
     drop(files)
     r["from_pretrained_cold"] = _safe("from_pretrained cold", from_pretrained, model_dir)
     cfgs: list[dict[str, Any]] = [{}]
     if grid:
         cfgs += [dict(threads=8, chunk=16 * MiB, direct=False),  # the old defaults
                  dict(threads=16, chunk=16 * MiB)]
-    r["loader_cold"] = _safe("loader cold", g.coldload_runs, model_dir, cfgs, True)
-    if full:
-        r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
-    if grid:
+    r["loader_cold"] = _safe("loader cold", loader_runs, model_dir, cfgs, True)
+    # READY cold on every layout: the cache must beat from_pretrained on each of them.
+    r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
+    if full and (grid or "prefetch" in parts):  # reading while the rank imports torch
         r["preload_cold_prefetch"] = _safe("preload cold, prefetch on", preload_once,
                                               model_dir, files, True,
                                               {"WEIGHTCACHE_LOAD_PREFETCH": "1"})
     g._warm(files)
-    r["load_file_warm"] = _safe("load_file warm", g.time_load_file, files)
+    r["load_file_warm"] = _safe("load_file warm", load_file_once, files)
     r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)
-    r["loader_warm"] = _safe("loader warm", g.coldload_runs, model_dir, [{}], False)
+    r["loader_warm"] = _safe("loader warm", loader_runs, model_dir, [{}], False)
     if kind == "sharded":
         r["preload_warm"] = _safe("preload warm", preload_once, model_dir, files, False)
     with contextlib.suppress(Exception):
         nbytes = r["loader_warm"][0]["nbytes"]
-    if kind == "sharded" and "attach" in parts and nbytes:
+    if kind == "sharded" and "attach" in parts and nbytes and _cuda():
         sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
         g._warm(files)
         try:
@@ -377,7 +492,7 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
                 launcher.stop()
         finally:
             shutil.rmtree(sockdir, ignore_errors=True)
-    if kind == "sharded" and "restart" in parts:
+    if kind == "sharded" and "restart" in parts and _cuda():
         r["restart"] = _safe("restart", restart_figures, model_dir, files)
     r["summary"] = summarize(r, nbytes)
     return r
@@ -389,6 +504,12 @@ def _get(d: dict, *keys: str) -> Any:
             return None
         d = d[k]
     return d
+
+
+def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
+    """READY's phases of the (first) rank: start-up, CUDA, plan, allocate, fill+digest..."""
+    loads = ready.get("rank_loads") or [{}]
+    return loads[0].get("phases")
 
 
 def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
@@ -411,9 +532,15 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_ready_s"] = pc.get("seconds")
         s["preload_cold_rank_load_s"] = fill
         s["preload_cold_ready_vs_device_read"] = round(bound / pc["seconds"], 3)
+        s["preload_cold_phases"] = _phases(pc)
         for key in ("load_file_cold", "from_pretrained_cold"):
             if s.get(f"{key}_s"):
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
+    pp = _get(r, "preload_cold_prefetch", "ready")
+    if pp:
+        s["preload_cold_prefetch_ready_s"] = pp.get("seconds")
+        s["preload_cold_prefetch_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
+        s["preload_cold_prefetch_phases"] = _phases(pp)
     lw = _get(r, "loader_warm")
     if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
         s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]
@@ -423,6 +550,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         if nbytes and s["preload_warm_rank_load_s"]:
             s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
         s["preload_warm_ready_s"] = pw.get("seconds")
+        s["preload_warm_phases"] = _phases(pw)
     if _get(r, "attach", "attach_ms_median"):
         s["attach_ms_median"] = r["attach"]["attach_ms_median"]
         lf = s.get("load_file_warm_s")
@@ -434,18 +562,21 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
 
 
 def run(workdir: Path, layouts: list[str], parts: set[str], grid: bool,
-        limit_gb: float | None = None) -> dict[str, Any]:
+        limit_gb: float | None = None, smoke: bool = False) -> dict[str, Any]:
     import torch
     import transformers
 
-    report: dict[str, Any] = {"section": "load", "environment": g.environment(workdir),
-                              "targets": TARGETS,
+    report: dict[str, Any] = {"section": "load", "device": DEVICE, "targets": TARGETS,
+                              "environment": _environment(workdir),
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     report["environment"]["transformers"] = transformers.__version__
     log(f"environment {json.dumps(report['environment'])}")
-    report["bounds"] = {"pin_alloc": _safe("pin", g.pin_rate), "h2d": _safe("h2d", g.h2d_rate)}
-    torch.cuda.empty_cache()
-    model = build_model()
+    report["hash"] = _safe("content hash", hash_figures, smoke)
+    if _cuda():
+        report["bounds"] = {"pin_alloc": _safe("pin", g.pin_rate),
+                            "h2d": _safe("h2d", g.h2d_rate)}
+        torch.cuda.empty_cache()
+    model = build_model(LLAMA_8B if _cuda() else LLAMA_SMOKE if smoke else LLAMA_CPU)
     report["layouts"] = {}
     for kind in layouts:
         path = workdir / f"llama8b-{kind}"
@@ -454,26 +585,38 @@ def run(workdir: Path, layouts: list[str], parts: set[str], grid: bool,
         log(f"[{kind}] {info}")
         if kind == layouts[-1]:
             del model
-            torch.cuda.empty_cache()
+            if _cuda():
+                torch.cuda.empty_cache()
         report["layouts"][kind] = {"checkpoint": info,
                                    **measure_layout(kind, path, parts, grid and kind == "sharded")}
         log(f"[{kind}] summary {json.dumps(report['layouts'][kind]['summary'])}")
         shutil.rmtree(path, ignore_errors=True)
         if out := os.environ.get("WEIGHTCACHE_BENCH_LOAD_OUT"):
             Path(out).write_text(json.dumps(report, indent=2))
-    if "scaling" in parts:
+    if "scaling" in parts and _cuda():
         report["attach_scaling"] = attach_scaling(workdir)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return report
 
 
-def main(argv: list[str]) -> int:
-    if "--device" in argv and argv[argv.index("--device") + 1] != "cuda":
-        print("  skipped: the load section runs with --device cuda", flush=True)
-        return 0
+def _environment(workdir: Path) -> dict[str, Any]:
+    if _cuda():
+        return g.environment(workdir)
+    import platform
+
     import torch
 
-    if not torch.cuda.is_available():
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "kernel": platform.release(), "cpus": os.cpu_count(), "device": "cpu (memfd)"}
+
+
+def main(argv: list[str]) -> int:
+    global DEVICE
+    DEVICE = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
+    smoke = "--smoke" in argv
+    import torch
+
+    if _cuda() and not torch.cuda.is_available():
         print("  skipped: no CUDA device", flush=True)
         return 0
     layouts = os.environ.get("WEIGHTCACHE_BENCH_LOAD_LAYOUTS", "sharded,single,many").split(",")
@@ -484,10 +627,12 @@ def main(argv: list[str]) -> int:
                    tempfile.mkdtemp(prefix="wc-load-"))
     workdir.mkdir(parents=True, exist_ok=True)
     limit = os.environ.get("WEIGHTCACHE_BENCH_LOAD_SUBSET_GB")  # single/many: a smaller model
-    report = run(workdir, [x for x in layouts if x], parts, grid, float(limit) if limit else None)
+    report = run(workdir, [x for x in layouts if x], parts, grid, float(limit) if limit else None,
+                 smoke)
     if out := os.environ.get("WEIGHTCACHE_BENCH_LOAD_OUT"):
         Path(out).write_text(json.dumps(report, indent=2))
     print("\n== load ==")
+    print(f"hash: {json.dumps(report['hash'])}")
     for kind, r in report["layouts"].items():
         print(f"{kind}: {json.dumps(r['summary'])}")
     for row in report.get("attach_scaling", []):

@@ -1,4 +1,4 @@
-"""One rank's load, once it holds its socket's lock: device, plan, arena, fill, digest, seal.
+"""One rank's load, once it holds its socket's lock: device, plan, arena, fill (+ digest), seal.
 
 `rank.run` imports this module only after taking the lock, because it imports torch (seconds):
 a second daemon for the same device must fail before that. Each step is a function of its own;
@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ class LoadedShard:
     record: dict[str, content_mod.FileDigest]
     device: torch.device
     load_seconds: float  # allocate + fill, as SERVING reports it
-    loader: LoadStats | None
+    loader: LoadStats
     prefetched: dict[str, Any] | None
 
 
@@ -63,20 +62,16 @@ def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: P
     transport = get_transport(config.transport) if config.transport else default_transport(device)
     arena = transport.allocate(layout.nbytes, device)
     try:
-        # Every byte's digest, computed beside the load (hashlib releases the GIL).
-        digests: dict[str, Any] = {}
-        digest_thread = threading.Thread(
-            target=_digest_into, args=(ckpt.files, digests), name="digest", daemon=True)
-        digest_thread.start()
         clock.mark("allocate_seconds")
         prefetched = prefetcher.stop() if prefetcher is not None else None
-        loader = fill(config, layout, arena, device)
-        clock.mark("fill_seconds")
-        digest_thread.join()
-        clock.mark("digest_wait_seconds")  # how long the digest outlasted the fill
-        if "error" in digests:
-            raise RankRefused(f"rank {config.tp_rank}: {digests['error']}", EXIT_ERROR)
-        record = digests["files"]
+        # Every byte's digest comes from the fill's own reads (coldload hashes the buffers
+        # the bytes land in), bracketed by the files' identities taken before the first read.
+        try:
+            loader = fill(config, layout, arena, device, ckpt.files)
+        except content_mod.ContentError as exc:
+            raise RankRefused(f"rank {config.tp_rank}: {exc}", EXIT_ERROR) from None
+        clock.mark("fill_seconds")  # includes the digest
+        record = loader.record or {}
         fingerprint = {**fingerprint, "content": content_mod.content_root(record)}
         load_seconds = time.monotonic() - t0
         delay = float(os.environ.get(BIND_DELAY_ENV, "0") or 0)
@@ -128,9 +123,9 @@ def drop_stale_socket(path: Path) -> None:
                 os.unlink(path)
 
 
-def fill(config: RankConfig, layout: ArenaLayout, arena: Arena,
-         device: torch.device) -> LoadStats | None:
-    """Read the shard into the arena, reporting `LOADING {json}` every LOADING_INTERVAL_S."""
+def fill(config: RankConfig, layout: ArenaLayout, arena: Arena, device: torch.device,
+         files: list[Path]) -> LoadStats:
+    """Read and digest the shard, reporting `LOADING {json}` every LOADING_INTERVAL_S."""
     done = Counter()
     started = time.monotonic()
 
@@ -141,12 +136,15 @@ def fill(config: RankConfig, layout: ArenaLayout, arena: Arena,
 
     ticker = Ticker(report, LOADING_INTERVAL_S).start()
     try:
-        # The digest thread reads the same files through the page cache at the same time.
-        # O_DIRECT reads would bypass it, so the disk would deliver every byte twice (seen on
-        # an H200: fill 8.8 s, then 8.9 s more for the digest); buffered reads let the two
-        # readers share one pass. An explicit WEIGHTCACHE_LOAD_DIRECT still wins.
-        direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") else False
-        loaded = load_into_arena(layout, arena.tensor(), progress=done.add, direct=direct)
+        # A rank reads every byte it digests once, O_DIRECT where the page cache lacks it.
+        # With tensor parallelism each rank digests only the chunks it reads (its engines'
+        # claims sample those), but ranks' ranges overlap (a tensor split along an inner
+        # dimension is read whole by each): buffered reads let them share one pass of the
+        # disk through the page cache. An explicit WEIGHTCACHE_LOAD_DIRECT still wins.
+        share = config.tp_size > 1
+        direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") or not share else False
+        loaded = load_into_arena(layout, arena.tensor(), progress=done.add, direct=direct,
+                                 digest=list(files), share=share)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
@@ -154,10 +152,3 @@ def fill(config: RankConfig, layout: ArenaLayout, arena: Arena,
     done.add(layout.nbytes - done.value)  # the alignment padding between tensors
     report()
     return loaded
-
-
-def _digest_into(files: list[Path], out: dict[str, Any]) -> None:
-    try:
-        out["files"] = content_mod.digest_files(files)
-    except content_mod.ContentError as exc:
-        out["error"] = str(exc)

@@ -445,17 +445,23 @@ class RankUpdater:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
             buffer = _staging(layout.nbytes, server.device)
             try:
-                load_into_arena(layout, buffer)
-                # The exact identity engines' claims are checked against (content.py); the
-                # files must be the ones staged: same identity before staging and after digest.
-                record = content_mod.digest_files(ckpt.files)
+                # One pass: the parallel loader reads every byte of the files once into
+                # staging and digests it from there; the files' identities bracket it.
+                stats = load_into_arena(layout, buffer, digest=list(ckpt.files),
+                                        share=cfg.tp_size > 1)
             except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            record = stats.record or {}
+            # The exact identity engines' claims are checked against (content.py): the files
+            # planned must be the ones staged.
             if any(record[n].identity != ident for n, ident in before.items()):
                 raise UpdateError(proto.E_BAD_REQUEST,
                                   f"{model} changed while it was being staged; retry")
-            fingerprint = {**fingerprint, CONTENT: content_mod.content_root(record)}
-            digest = _sha256(buffer)
+            root = content_mod.content_root(record)
+            fingerprint = {**fingerprint, CONTENT: root}
+            # The staged bytes are the files' bytes, which the content root names already:
+            # no second pass over the staging buffer.
+            digest = "content:" + root
         elif source == "push":
             if len(fds) != 1:
                 raise UpdateError(proto.E_BAD_REQUEST, "a push carries exactly one memfd")

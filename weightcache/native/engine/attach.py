@@ -31,7 +31,7 @@ from weightcache import constants
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 from weightcache.errors import ProjectError
 
-from ..shared import content
+from ..shared import coldload, content
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.connection import connect, query, raise_for, request
@@ -151,13 +151,15 @@ def plan_rank(
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
+    layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp_size, tp_rank=tp_rank,
+                                          dtype=dtype)
+    # A tensor-parallel rank's daemon digests the chunks its share reads: sample among them.
+    share = None if tp_size == 1 else {
+        p.name: c for p, c in coldload.share_chunks(list(layout.entries)).items()}
     try:  # a few sampled chunks: the daemon checks them against every byte it loaded
-        claim = content.sample_claim(ckpt.files)
+        fingerprint["content"] = content.sample_claim(ckpt.files, coverage=share)
     except OSError as exc:
         raise CheckpointError(f"{model_dir}: cannot read: {exc}") from None
-    layout, fingerprint = plan_rank_shard(
-        ckpt, rules, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, content=claim
-    )
     return ExpectedShard(layout, fingerprint, device_identity(device.type, device_index), device)
 
 

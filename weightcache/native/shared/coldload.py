@@ -16,6 +16,18 @@ Tensors whose bytes in the arena equal their bytes in the file (no dtype convers
 split, or split along the outermost dimension) are copied straight from the read buffers.
 The others (dtype conversion, splits along inner dimensions) are staged whole on the device
 and converted there, on the same stream, so ordering needs no extra synchronisation.
+
+One pass for the content digest: with `digest=files`, every byte of those files is read once,
+in jobs cut on the content chunk grid (`content.CHUNK_BYTES`), and the reader thread hashes
+each chunk from the buffer it just filled, while the buffer's copies to the device run. No
+second reader, so O_DIRECT stays available and nothing is read twice. The files are opened
+once up front and every thread reads that same inode (`/proc/self/fd`), and their identity is
+checked again after the last read: a file replaced, rewritten or truncated during the load
+raises ContentError naming it (never a record of bytes the arena does not hold, and never a
+SIGBUS: nothing here maps a file).
+
+The same code fills a CPU arena (a memfd, or staging for an update): the buffers are then
+ordinary page-aligned memory and the copies synchronous.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
 from .residency import resident
 
 MiB = 1 << 20
@@ -42,6 +55,7 @@ DEFAULT_THREADS = 32
 # A power of two matches torch's pinned-memory size classes; 32 x 2 x 16 MiB = 1 GiB pinned.
 DEFAULT_CHUNK = 16 * MiB
 PAGE = 4096
+MAX_OPEN_PER_THREAD = 32  # descriptors a reader thread keeps open (threads x files otherwise)
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class Job:
     end: int
     pieces: list[Piece] = field(default_factory=list)
     entry: Any = None  # a loader Entry that needs staging + conversion on the device
+    digest: bool = False  # [start, end) lies on the content chunk grid: hash it
 
 
 @dataclass
@@ -75,6 +90,8 @@ class LoadStats:
     staged_tensors: int = 0
     cached_bytes: int = 0  # read through the page cache (the range was resident)
     direct_bytes: int = 0  # read with O_DIRECT
+    hash_seconds: float = 0.0  # content digest in the reader threads, summed over threads
+    record: dict[str, Any] | None = None  # name -> content.FileDigest, with digest=files
     setup_seconds: float = 0.0  # slowest thread's set-up (pinned buffers, stream)
     read_seconds: float = 0.0  # file reads, summed over threads
     wait_seconds: float = 0.0  # waiting for a buffer's copies to drain, summed over threads
@@ -98,6 +115,7 @@ class LoadStats:
             "setup_seconds": round(self.setup_seconds, 4),
             "read_seconds_sum": round(self.read_seconds, 3),
             "wait_seconds_sum": round(self.wait_seconds, 3),
+            "hash_seconds_sum": round(self.hash_seconds, 3),
         }
 
 
@@ -120,11 +138,36 @@ def raw_range(entry: Any) -> tuple[int, int] | None:
     return src.offset + spec.start * inner, spec.length * inner
 
 
-def plan_jobs(entries: list[Any], chunk: int) -> list[Job]:
+def read_ranges(entries: list[Any]) -> dict[Path, list[tuple[int, int]]]:
+    """File byte ranges (offset, nbytes) the entries' bytes come from, per file."""
+    out: dict[Path, list[tuple[int, int]]] = {}
+    for entry in entries:
+        if entry.nbytes == 0:
+            continue
+        found = raw_range(entry) or (entry.source.offset, entry.source.nbytes)
+        out.setdefault(Path(entry.source.file), []).append(found)
+    return out
+
+
+def share_chunks(entries: list[Any]) -> dict[Path, set[int]]:
+    """The content chunks a rank's entries read, per file: what a tensor-parallel rank
+    digests, and where its engines' claims sample (the same function on both sides)."""
+    out: dict[Path, set[int]] = {}
+    for path, ranges in read_ranges(entries).items():
+        chunks = out.setdefault(path, set())
+        for offset, nbytes in ranges:
+            chunks.update(range(offset // CHUNK_BYTES, (offset + nbytes - 1) // CHUNK_BYTES + 1))
+    return out
+
+
+def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = None,
+              share: dict[Path, set[int]] | None = None) -> list[Job]:
     """Split the layout into jobs of at most `chunk` bytes of contiguous file data each.
 
     Direct copies are grouped by file and file order, so reads stay sequential; each staged
-    (converted) tensor is one job, read in chunks by one thread.
+    (converted) tensor is one job, read in chunks by one thread. Files in `cover` (path ->
+    size) are read whole, in jobs that start and end on the content chunk grid (`_cover`);
+    with `share`, only those chunks of them.
     """
     jobs: list[Job] = []
     by_file: dict[Path, list[Piece]] = {}
@@ -138,6 +181,9 @@ def plan_jobs(entries: list[Any], chunk: int) -> list[Job]:
             continue
         offset, nbytes = found
         by_file.setdefault(Path(entry.source.file), []).append(Piece(offset, nbytes, entry.offset))
+    for path, size in sorted((cover or {}).items()):
+        chunks = None if share is None else share.get(path, set())
+        jobs.extend(_cover(path, size, by_file.pop(path, []), chunk, chunks))
     # Files in name order, each front to back: the order `prefetch` warms them in.
     for path, pieces in sorted(by_file.items()):
         pieces.sort(key=lambda p: p.file_offset)
@@ -157,11 +203,43 @@ def plan_jobs(entries: list[Any], chunk: int) -> list[Job]:
     return jobs
 
 
+def _cover(path: Path, size: int, pieces: list[Piece], chunk: int,
+           chunks: set[int] | None = None) -> list[Job]:
+    """Jobs reading [0, size) (or its `chunks`) on the chunk grid, with the pieces they hold."""
+    span = max(CHUNK_BYTES, chunk - chunk % CHUNK_BYTES)
+    pieces = sorted(pieces, key=lambda p: p.file_offset)
+    if chunks is None:
+        runs = [(0, max(size, 1))]
+    else:  # maximal runs of consecutive chunks, as byte ranges
+        runs = []
+        for index in sorted(chunks):
+            lo = index * CHUNK_BYTES
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], lo + CHUNK_BYTES)
+            else:
+                runs.append((lo, lo + CHUNK_BYTES))
+    jobs = [Job(path, start, min(size, start + span, hi), digest=True)
+            for lo, hi in runs for start in range(lo, min(hi, max(size, 1)), span)]
+    index = 0
+    for piece in pieces:
+        pos, left, dst = piece.file_offset, piece.nbytes, piece.arena_offset
+        while left:
+            while jobs[index].end <= pos:
+                index += 1
+            job = jobs[index]
+            take = min(left, job.end - pos)
+            job.pieces.append(Piece(pos, take, dst))
+            pos, left, dst = pos + take, left - take, dst + take
+    return jobs
+
+
 class _Reader:
     """Per-thread state: open files, two pinned buffers, one stream."""
 
-    def __init__(self, device: torch.device, chunk: int, direct: bool | str) -> None:
+    def __init__(self, device: torch.device, chunk: int, direct: bool | str,
+                 opened: dict[Path, int] | None = None) -> None:
         t0 = time.perf_counter()
+        self.opened = opened or {}  # path -> fd opened before the load: read that inode
         self.chunk = chunk
         self.span = span_of(chunk)  # file bytes per read; alignment slack fits in `chunk`
         self.mode = direct  # True, False or "auto" (per range, by page-cache residency)
@@ -180,13 +258,18 @@ class _Reader:
         self.direct_bytes = 0
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
+        self.hash_seconds = 0.0
         self.setup_seconds = time.perf_counter() - t0
 
     def fd(self, path: Path, direct: bool) -> int:
         key = (path, direct)
         if key not in self.fds:
-            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-            self.fds[key] = os.open(path, flags)
+            if len(self.fds) >= MAX_OPEN_PER_THREAD:  # a checkpoint of thousands of files
+                self.close()
+            flags = os.O_RDONLY | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            base = self.opened.get(path)
+            # The inode opened before the load, even if the path now names another file.
+            self.fds[key] = os.open(f"/proc/self/fd/{base}" if base is not None else path, flags)
         return self.fds[key]
 
     def close(self) -> None:
@@ -227,7 +310,8 @@ class _Reader:
             view = memoryview(buf.numpy())[: hi - lo]
             got = _read_fully(self.fd(path, False), view, lo)
         if got < end - lo:
-            raise OSError(f"{path}: short read at {lo}: {got} of {end - lo} bytes")
+            raise ContentError(f"{path}: only {got} of {end - lo} bytes at offset {lo}: the file "
+                               "was truncated or replaced while it was being loaded")
         self.read_seconds += time.perf_counter() - t_read
         self.read_bytes += got
         if direct:
@@ -266,14 +350,23 @@ def _read_fully(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def _run_job(reader: _Reader, job: Job, flat: torch.Tensor) -> None:
+def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | None) -> None:
     if job.entry is None:
+        if job.start == job.end:  # an empty file: its one chunk is empty
+            if job.digest and sink is not None:
+                sink.add(job.path, 0, b"")
+            return
         buf, skip = reader.read(job.path, job.start, job.end)
         with reader.on_stream():
             for piece in job.pieces:
                 at = skip + piece.file_offset - job.start
                 dst = flat[piece.arena_offset : piece.arena_offset + piece.nbytes]
                 dst.copy_(buf[at : at + piece.nbytes], non_blocking=True)
+        if job.digest and sink is not None:  # while the copies run: both only read the buffer
+            t0 = time.perf_counter()
+            data = memoryview(buf.numpy())[skip : skip + job.end - job.start]
+            sink.add(job.path, job.start // CHUNK_BYTES, data)
+            reader.hash_seconds += time.perf_counter() - t0
         reader.done(buf)
         return
     entry = job.entry
@@ -328,25 +421,89 @@ def load_entries(
     chunk: int | None = None,
     direct: bool | str | None = None,
     progress: Callable[[int], None] | None = None,
+    digest: list[Path | str] | None = None,
+    share: bool = False,
 ) -> LoadStats:
-    """Fill the arena `flat` (uint8, 1-D; CUDA, or CPU for tests) with loader `Entry` objects.
+    """Fill the arena `flat` (uint8, 1-D; CUDA or CPU) with loader `Entry` objects.
 
     Tuning comes from the arguments or `WEIGHTCACHE_LOAD_THREADS`, `WEIGHTCACHE_LOAD_CHUNK_MIB`
     and `WEIGHTCACHE_LOAD_DIRECT`; `progress(n)` is called (from the loader's threads) with
-    the arena bytes of each finished read as they are queued to the device. Returns what was
-    moved and how fast.
+    the arena bytes of each finished read as they are queued to the device. With `digest`
+    (the checkpoint's files), those files are read whole and `stats.record` is their content
+    record, from the same pass; with `share`, only the chunks the entries read (a
+    tensor-parallel rank's share, `share_chunks`). Raises ContentError when a file changed
+    under the load; an exception in the caller's thread (a signal's) stops every reader
+    before it propagates.
+    Returns what was moved and how fast.
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError("the arena must be a flat uint8 tensor")
-    threads = threads or int(os.environ.get("WEIGHTCACHE_LOAD_THREADS", DEFAULT_THREADS))
+    # A CPU arena has no copy engine to keep busy: a few readers per core are enough.
+    default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * (os.cpu_count() or 2))
+    threads = threads or int(os.environ.get("WEIGHTCACHE_LOAD_THREADS", default))
     chunk = chunk or int(os.environ.get("WEIGHTCACHE_LOAD_CHUNK_MIB", DEFAULT_CHUNK // MiB)) * MiB
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
     mode = direct_mode(os.environ.get("WEIGHTCACHE_LOAD_DIRECT") if direct is None else direct)
     if not hasattr(os, "O_DIRECT"):
         mode = False
+    opened: dict[Path, int] = {}
+    try:
+        sink = _open_files(entries, digest, opened, share)
+        return _load(entries, flat, threads, chunk, mode, progress, sink, opened)
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+
+
+def _open_files(entries: list[Any], digest: list[Path | str] | None,
+                opened: dict[Path, int], share: bool = False) -> ChunkSink | None:
+    """Open every file once, before any read (their identities bracket the load)."""
+    paths = {Path(e.source.file) for e in entries} | {Path(p) for p in digest or ()}
+    idents = {}
+    for path in sorted(paths):
+        try:
+            opened[path] = fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ContentError(f"{path} disappeared before it was loaded") from None
+        idents[path] = FileIdentity.of(os.fstat(fd))
+    for e in entries:  # the headers were read earlier: the file may be shorter by now
+        size = idents[Path(e.source.file)].size
+        if e.nbytes and e.source.offset + e.source.nbytes > size:
+            raise ContentError(f"{e.source.file} holds {size} bytes but its header places "
+                               f"{e.name!r} up to byte {e.source.offset + e.source.nbytes}: "
+                               "truncated or replaced since it was opened")
+    if digest is None:
+        return None
+    return ChunkSink({Path(p): idents[Path(p)] for p in digest},
+                     coverage=share_chunks(entries) if share else None)
+
+
+def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:
+    """Every digested file is still the very file, unchanged, that the load began with."""
+    for path, before in sink.identities.items():
+        try:
+            now = FileIdentity.of(os.stat(path))
+        except FileNotFoundError:
+            raise ContentError(f"{path} was removed while it was being loaded") from None
+        if FileIdentity.of(os.fstat(opened[path])) != before:
+            raise ContentError(f"{path} was written or truncated while it was being loaded")
+        if now != before:
+            raise ContentError(f"{path} was replaced while it was being loaded")
+
+
+def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode: bool | str,
+          progress: Callable[[int], None] | None, sink: ChunkSink | None,
+          opened: dict[Path, int]) -> LoadStats:
     stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
-    jobs = plan_jobs(entries, span_of(chunk))
+    cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
+    jobs = plan_jobs(entries, span_of(chunk), cover,
+                     None if sink is None or sink.coverage is None else sink.coverage)
+    # Buffers as large as the largest read (small loads need small ones; a digested job
+    # spans whole content chunks).
+    largest = max((j.end - j.start if j.entry is None else min(j.end - j.start, span_of(chunk))
+                   for j in jobs), default=0)
+    chunk = max(4 * PAGE, largest + (-largest) % PAGE + 2 * PAGE)
     stats.staged_tensors = sum(1 for j in jobs if j.entry is not None)
     t0 = time.perf_counter()
     work: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -365,12 +522,12 @@ def load_entries(
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            reader = _Reader(device, chunk, mode)
+            reader = _Reader(device, chunk, mode, opened)
             while True:
                 job = work.get()
                 if job is None or errors:
                     break
-                _run_job(reader, job, flat)
+                _run_job(reader, job, flat, sink)
                 if progress is not None:
                     progress(_job_nbytes(job))
             if reader.stream is not None:
@@ -384,10 +541,17 @@ def load_entries(
                 reader.close()
 
     pool = [threading.Thread(target=worker, name=f"coldload-{i}") for i in range(count)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    try:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    except BaseException as exc:  # a signal's exception: stop the readers, then go
+        errors.append(exc)
+        for t in pool:
+            if t.is_alive():
+                t.join()
+        raise
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - t0
@@ -397,21 +561,25 @@ def load_entries(
     stats.setup_seconds = max((r.setup_seconds for r in readers), default=0.0)
     stats.read_seconds = sum(r.read_seconds for r in readers)
     stats.wait_seconds = sum(r.wait_seconds for r in readers)
+    stats.hash_seconds = sum(r.hash_seconds for r in readers)
     if errors:
         raise errors[0]
+    if sink is not None:
+        _check_unchanged(sink, opened)
+        stats.record = sink.record()
     return stats
 
 
 def load_layout(layout: Any, flat: torch.Tensor, **kwargs: Any) -> LoadStats:
-    """Entry point for the daemon's loader (`loader.load_into_arena` on CUDA)."""
+    """Entry point for the daemon's loader (`loader.load_into_arena`)."""
     return load_entries(list(layout.entries), flat, **kwargs)
 
 
-def drop_page_cache(paths: list[Path | str]) -> bool:
+def drop_page_cache(paths: list[Path | str], *, everything: bool = True) -> bool:
     """Evict the files from the page cache; True when the global drop also worked.
 
     `posix_fadvise(DONTNEED)` works for any user on clean pages of these files; writing
-    /proc/sys/vm/drop_caches (root only) drops everything else as well.
+    /proc/sys/vm/drop_caches (root only, and only with `everything`) drops everything else.
     """
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -420,6 +588,8 @@ def drop_page_cache(paths: list[Path | str]) -> bool:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if not everything:
+        return False
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:

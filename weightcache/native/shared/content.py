@@ -46,6 +46,7 @@ from .checkpoint import CheckpointError, open_checkpoint
 
 CHUNK_BYTES = 256 * 1024
 DIGEST_BYTES = 16
+HASH = "sha256-128"  # named in every record and claim: another hash is another identity
 SAMPLES_PER_FILE = 2  # at least this many chunks of every file (all of a smaller file)
 SAMPLES_TOTAL = 8  # at least this many chunks over the whole checkpoint
 MAX_FILES = 4096  # a claim naming more files is refused (bounded client-supplied state)
@@ -79,7 +80,11 @@ class FileDigest:
     path: str  # absolute real path the daemon read
     identity: FileIdentity
     chunk_bytes: int
-    chunks: bytes  # DIGEST_BYTES per chunk, in order
+    chunks: bytes  # DIGEST_BYTES per chunk, in order (zeros where not `covered`)
+    hash: str = HASH
+    # None: every chunk. Otherwise the chunks one tensor-parallel rank reads (`share`): its
+    # claims sample only those, as the client computes them from its own layout.
+    covered: frozenset[int] | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -93,7 +98,12 @@ class FileDigest:
         """The file's full content digest (hex): chunk size, size and every chunk digest."""
         h = hashlib.sha256()
         h.update(f"{self.chunk_bytes}:{self.identity.size}:".encode())
-        h.update(self.chunks)
+        if self.covered is None:
+            h.update(self.chunks)
+            return h.hexdigest()
+        h.update(b"share:")
+        for index in sorted(self.covered):
+            h.update(index.to_bytes(8, "little") + self.chunk(index))
         return h.hexdigest()
 
 
@@ -103,6 +113,53 @@ def chunk_digest(data: bytes | memoryview) -> bytes:
 
 def n_chunks(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, math.ceil(size / chunk_bytes))
+
+
+class ChunkSink:
+    """Chunk digests of a set of files, filled in any order by the threads that read them.
+
+    The loader calls `add(path, first, view)` with bytes that start on the chunk grid (and
+    run to the file's end or a grid line); `record` refuses to build a record with a chunk
+    nobody hashed. Each slot is written by one thread only (jobs never share a chunk), so
+    no lock is needed for the bytes themselves.
+    """
+
+    def __init__(self, files: Mapping[Path, FileIdentity], chunk_bytes: int = CHUNK_BYTES,
+                 coverage: Mapping[Path, set[int]] | None = None) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.identities = dict(files)
+        self.coverage = None if coverage is None else {
+            p: frozenset(coverage.get(p, ())) for p in self.identities}
+        self._chunks = {p: bytearray(n_chunks(i.size, chunk_bytes) * DIGEST_BYTES)
+                        for p, i in self.identities.items()}
+        self._seen = {p: bytearray(n_chunks(i.size, chunk_bytes))
+                      for p, i in self.identities.items()}
+
+    def covers(self, path: Path) -> bool:
+        return path in self._chunks
+
+    def add(self, path: Path, first: int, data: memoryview | bytes) -> None:
+        out, seen, step = self._chunks[path], self._seen[path], self.chunk_bytes
+        view = memoryview(data)
+        for k, at in enumerate(range(0, max(1, len(view)), step)):
+            index = first + k
+            out[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES] = chunk_digest(
+                view[at : at + step])
+            seen[index] = 1
+
+    def record(self) -> dict[str, FileDigest]:
+        out: dict[str, FileDigest] = {}
+        for path, ident in self.identities.items():
+            seen = self._seen[path]
+            covered = None if self.coverage is None else self.coverage[path]
+            wanted = range(len(seen)) if covered is None else covered
+            missing = [i for i in wanted if not seen[i]]
+            if missing:
+                raise ContentError(f"{path}: chunk {missing[0]} was never read")
+            out[path.name] = FileDigest(path.name, os.path.realpath(path), ident,
+                                        self.chunk_bytes, bytes(self._chunks[path]),
+                                        covered=covered)
+        return out
 
 
 def _digest_range(fd: int, first: int, count: int, size: int, chunk_bytes: int) -> bytes:
@@ -194,12 +251,16 @@ def _sample_counts(sizes: Mapping[str, int], chunk_bytes: int) -> dict[str, int]
 
 
 def sample_claim(
-    paths: Iterable[str | os.PathLike], *, rng: random.Random | None = None
+    paths: Iterable[str | os.PathLike],
+    *,
+    rng: random.Random | None = None,
+    coverage: Mapping[str, Iterable[int]] | None = None,
 ) -> dict[str, Any]:
     """What the client asserts about the files it would load: identities and sampled digests.
 
-    Reads a few random chunks per file (SAMPLES_PER_FILE, SAMPLES_TOTAL); raises OSError
-    when a file cannot be read.
+    Reads a few random chunks per file (SAMPLES_PER_FILE, SAMPLES_TOTAL); with `coverage`
+    (base name -> chunk indices: a tensor-parallel rank's share, `coldload.share_chunks`)
+    only among those. Raises OSError when a file cannot be read.
     """
     rng = rng or random.SystemRandom()
     files: dict[str, Any] = {}
@@ -213,8 +274,9 @@ def sample_claim(
             sizes[path.name] = handles[-1][2].size
         counts = _sample_counts(sizes, CHUNK_BYTES)
         for path, fd, ident in handles:
-            total = n_chunks(ident.size)
-            picks = sorted(rng.sample(range(total), counts[path.name]))
+            pool = range(n_chunks(ident.size)) if coverage is None else sorted(
+                set(coverage.get(path.name, ())))
+            picks = sorted(rng.sample(pool, min(len(pool), counts[path.name])))
             samples = []
             for index in picks:
                 data = os.pread(fd, CHUNK_BYTES, index * CHUNK_BYTES)
@@ -224,16 +286,18 @@ def sample_claim(
     finally:
         for _, fd, _ in handles:
             os.close(fd)
-    return {"chunk": CHUNK_BYTES, "files": files}
+    return {"chunk": CHUNK_BYTES, "hash": HASH, "files": files}
 
 
 def _bad_claim(claim: Any) -> str | None:
     """Shape check of a client-supplied claim: bounded, and only the types we expect."""
-    if not isinstance(claim, dict) or set(claim) != {"chunk", "files"}:
-        return "claim must be a map with exactly chunk and files"
+    if not isinstance(claim, dict) or set(claim) != {"chunk", "hash", "files"}:
+        return "claim must be a map with exactly chunk, hash and files (an older client?)"
     files = claim["files"]
     if not isinstance(claim["chunk"], int) or not isinstance(files, dict):
         return "claim has a bad chunk size or file map"
+    if not isinstance(claim["hash"], str) or len(claim["hash"]) > 64:
+        return "claim has a bad hash name"
     if len(files) > MAX_FILES:
         return f"claim names more than {MAX_FILES} files"
     for name, entry in files.items():
@@ -263,6 +327,9 @@ def verify_claim(record: Mapping[str, FileDigest], claim: Any) -> str | None:
         return "no checkpoint on disk holds the served bytes"
     if claim["chunk"] != CHUNK_BYTES or any(d.chunk_bytes != CHUNK_BYTES for d in record.values()):
         return f"chunk size {claim['chunk']} differs from {CHUNK_BYTES}"
+    kinds = {d.hash for d in record.values()}
+    if kinds != {claim["hash"]}:
+        return f"the claim's digests are {claim['hash']!r}, the cache's {sorted(kinds)}"
     files = claim["files"]
     if set(files) != set(record):
         return "the checkpoint holds other files"
@@ -275,11 +342,13 @@ def verify_claim(record: Mapping[str, FileDigest], claim: Any) -> str | None:
             mine.identity.dev, mine.identity.ino)
         if same_file and ident != mine.identity:
             return f"{name} was rewritten since it was cached (mtime/ctime/inode changed)"
-        if not entry["samples"] and mine.n_chunks:
+        if not entry["samples"] and (mine.covered if mine.covered is not None else mine.n_chunks):
             return f"{name}: no sampled chunks"
         for index, digest in entry["samples"]:
             if not 0 <= index < mine.n_chunks:
                 return f"{name}: chunk {index} is out of range"
+            if mine.covered is not None and index not in mine.covered:
+                return f"{name}: chunk {index} is not in this rank's share"
             if digest != mine.chunk(index):
                 return f"{name}: chunk {index} differs from the cached bytes"
     return None
@@ -302,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "content": content_root(digests),
         "chunk_bytes": CHUNK_BYTES,
+        "hash": HASH,
         "files": {n: {"bytes": d.identity.size, "root": d.root}
                   for n, d in sorted(digests.items())},
     }))

@@ -9,8 +9,6 @@ a table back into named tensors and is shared by the daemon's disk path and the 
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +18,7 @@ import torch
 from weightcache.errors import ProjectError
 
 from .checkpoint import Checkpoint, TensorInfo
-from .coldload import load_layout  # CUDA: pinned, multi-threaded reads + async H2D copies
+from .coldload import LoadStats, load_layout  # parallel reads; pinned + async H2D on CUDA
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
@@ -133,55 +131,29 @@ def plan_layout(
     return ArenaLayout(entries, aliases, align_up(offset, ARENA_ALIGN))
 
 
-def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
-    raw = torch.frombuffer(filemap, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-    if info.offset % info.itemsize:
-        raw = raw.clone()  # unaligned in the file: view(dtype) needs aligned storage
-    return raw.view(info.dtype).view(info.shape)
-
-
 def load_into_arena(
     layout: ArenaLayout,
     flat: torch.Tensor,
     *,
     progress: Callable[[int], None] | None = None,
     direct: bool | str | None = None,
-) -> Any:
-    """Copy each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
+    digest: list[Any] | None = None,
+    share: bool = False,
+) -> LoadStats:
+    """Read each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
 
-    `progress(n)` is called with the arena bytes of each piece as it is filled. On CUDA the
-    cold loader's `LoadStats` is returned (None on the CPU path); `direct` is its O_DIRECT
-    mode (None: `WEIGHTCACHE_LOAD_DIRECT`, default auto).
+    One loader for every arena (`coldload`: parallel reads into aligned buffers, pinned on
+    CUDA), so a CPU arena gets the same speed and the same guarantees: no file is mapped, so
+    a file truncated under the load is an error naming it, never a SIGBUS. `progress(n)` is
+    called with the arena bytes of each piece as it is filled; `direct` is the O_DIRECT mode
+    (None: `WEIGHTCACHE_LOAD_DIRECT`, default auto); `digest` (the checkpoint's files) makes
+    the returned stats carry their content record, from the same pass (with `share`, of the
+    chunks this layout reads only: a tensor-parallel rank's record).
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
-    if flat.is_cuda:
-        return load_layout(layout, flat, progress=progress, direct=direct)
-    by_file: dict[Any, list[Entry]] = {}
-    for entry in layout.entries:
-        by_file.setdefault(entry.source.file, []).append(entry)
-    for path, entries in by_file.items():
-        with open(path, "rb") as fh:
-            size = fh.seek(0, 2)
-            if size == 0:
-                continue
-            filemap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        try:
-            for entry in entries:
-                if entry.nbytes == 0:
-                    continue
-                src = _source_view(filemap, entry.source)
-                if entry.spec.dim is not None:
-                    src = src.narrow(entry.spec.dim, entry.spec.start, entry.spec.length)
-                dst = flat[entry.offset : entry.offset + entry.nbytes]
-                dst.view(entry.dtype).view(entry.spec.shape).copy_(src)
-                del src, dst
-                if progress is not None:
-                    progress(entry.nbytes)
-        finally:
-            with contextlib.suppress(BufferError):
-                filemap.close()
-    return None
+    return load_layout(layout, flat, progress=progress, direct=direct, digest=digest,
+                       share=share)
 
 
 def tensors_from_table(

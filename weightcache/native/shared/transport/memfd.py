@@ -61,6 +61,11 @@ class MemfdArena:
             self._map: mmap.mmap | None = (
                 mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
             )
+            if self._map is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+                # 4 KiB shmem page faults cap a fresh fill at ~0.5 GB/s where measured; huge
+                # pages apply where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows.
+                with contextlib.suppress(OSError):
+                    self._map.madvise(mmap.MADV_HUGEPAGE)
         except OSError as exc:
             os.close(self._fd)
             self._fd = None
