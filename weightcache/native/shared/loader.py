@@ -104,13 +104,7 @@ class ArenaLayout:
         return [e.row() for e in self.entries]
 
     @functools.cached_property
-    def digest(self) -> str:
-        """sha256 (hex) of the whole table: every name, dtype, shape, offset and size in
-        order, the aliases and the arena size (strides are contiguous by construction).
-
-        What the daemon's `get_state` sends instead of the rows: equal digests mean the
-        daemon's arena is laid out exactly as the engine's own plan, at a few bytes on the
-        wire whatever the tensor count (a 100,000-tensor table was 11 MB of msgpack)."""
+    def _digest_rows(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
         names: dict[torch.dtype, str] = {}
         rows = []
         for e in self.entries:
@@ -118,8 +112,19 @@ class ArenaLayout:
             if tag is None:
                 tag = names[e.dtype] = dtype_name(e.dtype)
             rows.append((e.name, tag, e.spec.shape, e.offset, e.nbytes))
-        data = msgpack.packb([LAYOUT_DIGEST, rows, sorted(self.aliases.items()), self.nbytes],
-                             use_bin_type=True)
+        return rows
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 (hex) of the whole table: every name, dtype, shape, offset and size in
+        order, the aliases and the arena size (strides are contiguous by construction).
+
+        What the daemon's `get_state` sends instead of the rows: equal digests mean the
+        daemon's arena is laid out exactly as the engine's own plan, at a few bytes on the
+        wire whatever the tensor count (a 100,000-tensor table was 11 MB of msgpack)."""
+        data = msgpack.packb(
+            [LAYOUT_DIGEST, self._digest_rows, sorted(self.aliases.items()), self.nbytes],
+            use_bin_type=True)
         return hashlib.sha256(data).hexdigest()
 
     @functools.cached_property
@@ -127,14 +132,18 @@ class ArenaLayout:
         """The entries' names in order, and per dtype: names, shapes, strides and element
         offsets, computed once per layout (a kept plan reuses them on every attach)."""
         groups: dict[torch.dtype, tuple[list[str], list, list, list]] = {}
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a checkpoint has few shapes
         for e in self.entries:
             group = groups.get(e.dtype)
             if group is None:
                 group = groups[e.dtype] = ([], [], [], [])
-            shape = tuple(e.spec.shape)
+            shape = e.spec.shape
+            stride = strides.get(shape)
+            if stride is None:
+                stride = strides[shape] = tuple(_contiguous(list(shape)))
             group[0].append(e.name)
             group[1].append(shape)
-            group[2].append(tuple(_contiguous(list(shape))))
+            group[2].append(stride)
             group[3].append(e.offset // e.dtype.itemsize)
         return [e.name for e in self.entries], [(d, *g) for d, g in groups.items()]
 
@@ -177,19 +186,34 @@ def plan_layout(
     aliases = dict(aliases or {})
     entries: list[Entry] = []
     offset = 0
-    targets: dict[str, torch.dtype] = {}  # per safetensors tag: this runs on every attach
+    # Per safetensors tag: (target dtype, its itemsize, the source's). This runs per tensor
+    # on an engine's first attach, so the common cases are written out: at TP=1 every tensor
+    # is whole (plan_shard's answer, without the call), and a whole tensor's size follows
+    # from the file's.
+    targets: dict[str, tuple[torch.dtype, int, int]] = {}
+    whole = tp_size == 1
+    mask = ARENA_ALIGN - 1
     for name, info in ckpt.tensors.items():
         if name in aliases:
             continue
-        spec = plan_shard(name, info.shape, rules, tp_size, tp_rank)
-        out = targets.get(info.tag)
-        if out is None:
-            out = targets[info.tag] = target_dtype(info.dtype, dtype)
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        nbytes = numel * out.itemsize
-        offset = align_up(offset, ARENA_ALIGN)
+        shape = info.shape
+        if whole:
+            spec = ShardSpec(None, 0, shape[0] if shape else 0, shape)
+        else:
+            spec = plan_shard(name, shape, rules, tp_size, tp_rank)
+        target = targets.get(info.tag)
+        if target is None:
+            out = target_dtype(info.dtype, dtype)
+            target = targets[info.tag] = (out, out.itemsize, info.itemsize)
+        out, size, source = target
+        if spec.dim is None:
+            nbytes = info.nbytes // source * size
+        else:
+            numel = 1
+            for d in spec.shape:
+                numel *= d
+            nbytes = numel * size
+        offset = (offset + mask) & ~mask  # align_up(offset, ARENA_ALIGN), a power of two
         entries.append(Entry(name, info, spec, out, offset, nbytes))
         offset += nbytes
     # An alias of a tensor the checkpoint does not hold is dropped rather than dangling.
