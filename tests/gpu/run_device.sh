@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE]  e.g.  tests bench 1b,8b update 8b
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach]  e.g.  tests bench 1b,8b update 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
 set -u
@@ -76,6 +76,17 @@ while [ $# -gt 0 ]; do
         WEIGHTCACHE_BENCH_LOAD_PARTS="${LOAD_PARTS:-attach,restart,scaling}" \
         WEIGHTCACHE_BENCH_LOAD_PROFILE_GRID="${LOAD_GRID:-0}" \
         timeout "${BENCH_TIMEOUT:-540}" python3 -m weightcache.cli bench --device cuda load 2>&1 | tee "$OUT/bench_load.log"
+      rm -rf "$WORK"
+      ;;
+    attach)
+      # `weightcache bench --device cuda attach` (weightcache/bench/attach.py): the 291-tensor
+      # 16 GB shard (median, first in process, plan, copy mode TB/s) and 300..100k tensors,
+      # on sparse checkpoints (nothing to write); ATTACH_PARTS narrows it (shard,scaling).
+      shift
+      WORK=/var/tmp/wc-attach; mkdir -p "$WORK"
+      WEIGHTCACHE_BENCH_ATTACH_OUT="$OUT/bench_attach.json" WEIGHTCACHE_BENCH_ATTACH_WORKDIR="$WORK" \
+        WEIGHTCACHE_BENCH_ATTACH_PARTS="${ATTACH_PARTS:-shard,scaling}" \
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m weightcache.cli bench --device cuda attach 2>&1 | tee "$OUT/bench_attach.log"
       rm -rf "$WORK"
       ;;
     *) echo "unknown step $1"; shift ;;

@@ -250,12 +250,19 @@ def _lies() -> dict[str, Mutator]:
     def on_hello(fn):
         return lambda cmd, r, f: fn(r, f) if cmd == "hello" else (r, f)
 
-    def drop_row(r, f):
-        r["tensors"] = r["tensors"][1:]
+    def no_digest(r, f):
+        r.pop("table_digest", None)
         return r, f
 
-    def shift(r, f):
-        r["tensors"][0]["offset"] += 256
+    def other_digest(r, f):  # the digest of a layout one byte off (a partial or shifted table)
+        d = r["table_digest"]
+        r["table_digest"] = d[:-1] + ("0" if d[-1] != "0" else "1")
+        return r, f
+
+    def rows_instead(r, f):  # a protocol-1 reply: the rows, no digest
+        r.pop("table_digest", None)
+        r["tensors"] = [{"name": "x", "dtype": "uint8", "shape": [1], "stride": [1],
+                         "offset": 0, "nbytes": 1}]
         return r, f
 
     def foreign_fd(r, f):
@@ -291,10 +298,12 @@ def _lies() -> dict[str, Mutator]:
         return struct.pack(">I", 4) + b"\xc1\xc1\xc1\xc1", f
 
     return {
-        "partial table": on_state(drop_row),
-        "shifted offset": on_state(shift),
-        "foreign table": on_state(lambda r, f: ({**r, "tensors": [
-            {**row, "name": row["name"] + ".x"} for row in r["tensors"]]}, f)),
+        "no table digest": on_state(no_digest),
+        "another table's digest": on_state(other_digest),
+        "rows instead of a digest": on_state(rows_instead),
+        "digest of the wrong type": on_state(lambda r, f: (
+            {**r, "table_digest": r["table_digest"].encode()}, f)),
+        "hello of protocol 1": on_hello(lambda r, f: ({**r, "protocol": 1}, f)),
         "foreign fd": on_state(foreign_fd),
         "pipe fd": on_state(pipe_fd),
         "no fd": on_state(no_fd),
@@ -368,23 +377,29 @@ def test_a_lying_daemon_never_gets_past_the_client(lie, liar, ckpt):
 
 
 table_value = st.one_of(st.none(), st.integers(-(2**70), 2**70), st.text(max_size=5),
-                        st.lists(st.integers(-3, 2**40), max_size=4), st.booleans())
+                        st.lists(st.integers(-3, 2**40), max_size=4), st.booleans(),
+                        st.binary(max_size=40))
 
 
 @PROFILE
-@given(row=st.integers(0, 10_000), key=st.sampled_from(
-    ["name", "dtype", "shape", "stride", "offset", "nbytes", "drop"]), value=table_value)
-def test_any_rewritten_table_is_refused(row, key, value, liar, ckpt):
-    """Drawn here, applied in the proxy: one row of the real table changed or dropped."""
+@given(at=st.integers(0, 10_000), how=st.sampled_from(["replace", "flip", "cut", "drop"]),
+       value=table_value)
+def test_any_rewritten_table_is_refused(at, how, value, liar, ckpt):
+    """Drawn here, applied in the proxy: the table's digest replaced by any value, one of its
+    characters changed, cut short, or dropped."""
     def mutate(cmd, r, f):
         if cmd != "get_state" or not r.get("ok"):
             return r, f
-        rows = r["tensors"]
-        i = row % len(rows)
-        if key == "drop":
-            rows.pop(i)
+        digest = r["table_digest"]
+        i = at % len(digest)
+        if how == "drop":
+            del r["table_digest"]
+        elif how == "cut":
+            r["table_digest"] = digest[:i]
+        elif how == "flip":
+            r["table_digest"] = digest[:i] + ("a" if digest[i] != "a" else "b") + digest[i + 1:]
         else:
-            rows[i][key] = value if rows[i].get(key) != value else [value]
+            r["table_digest"] = value if value != digest else [value]
         return r, f
 
     path = liar(mutate)

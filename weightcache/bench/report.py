@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 SECTIONS: dict[str, str] = {
     "native": "weightcache.bench.native",
+    "attach": "weightcache.bench.attach",
     "identity": "weightcache.bench.identity",
     "gpu": "weightcache.bench.gpu",
     "update": "weightcache.bench.update_vs_restart",

@@ -21,7 +21,6 @@ import torch
 from weightcache.contracts.vocabulary import EXIT_ERROR
 
 from ..shared import content as content_mod
-from ..shared import protocol as proto
 from ..shared.checkpoint import Checkpoint
 from ..shared.coldload import LoadStats
 from ..shared.loader import ArenaLayout, load_into_arena
@@ -108,9 +107,9 @@ def plan(config: RankConfig, ckpt: Checkpoint,
                                               tp_rank=config.tp_rank, dtype=config.dtype)
     except ShardingError as exc:
         raise RankRefused(str(exc)) from None
-    try:  # a table msgpack cannot carry would make a READY rank that never serves
-        proto.encode(proto.ok(tensors=layout.table(), aliases=layout.aliases))
-    except (proto.ProtocolError, OverflowError, ValueError) as exc:
+    try:  # a table msgpack cannot encode would make a READY rank that never serves
+        layout.digest  # noqa: B018  (computed once here; get_state sends it)
+    except (OverflowError, ValueError) as exc:
         raise RankRefused(f"{config.model}: the tensor table cannot be served: {exc}") from None
     return layout, fingerprint
 

@@ -135,7 +135,8 @@ class RankServer:
     ) -> None:
         self.arena: Arena | None = arena
         self.transport_name = transport_name
-        self.table = layout.table()
+        self.table = layout.table()  # the rows, for `get_table` (updates and tools)
+        self.table_digest = layout.digest  # what `get_state` sends instead of the rows
         self.aliases = layout.aliases
         self.nbytes = layout.nbytes
         self.fingerprint = fingerprint
@@ -252,8 +253,9 @@ class RankServer:
                 return proto.error(proto.E_RELEASED, "the cache was released"), []
             meta, fds = self.arena.export()
             # Duplicates: a concurrent `release` may close the arena's own fds before we send.
-            reply = proto.ok(tensors=self.table, aliases=self.aliases, arena=meta,
-                             generation=generation)
+            # The table's digest, not its rows: the engine compares it with its own plan's
+            # (the rows were 11 MB of msgpack at 100,000 tensors, encoded on every attach).
+            reply = proto.ok(table_digest=self.table_digest, arena=meta, generation=generation)
             if mode == "zero_copy":
                 self.zero_copy_attaches += 1
             return reply, [os.dup(fd) for fd in fds]

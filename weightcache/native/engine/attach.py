@@ -49,11 +49,14 @@ from ..shared.errors import (
 )
 from ..shared.identity import device_identity
 from ..shared.identity import socket_path as derive_socket_path
-from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena, tensors_from_table
+from ..shared.limits import REQUEST_DEADLINE_S
+from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.security import SecurityError, resolve_socket_dir
 from ..shared.sharding import ShardingError, parse_rules
 from ..shared.transport import TransportError, get_transport
+from . import plancache
+from .gcpause import gc_paused
 
 log = logging.getLogger("weightcache.client")
 
@@ -135,6 +138,11 @@ class ExpectedShard:
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
+    planned: bool = True  # False: the plan came from this process' cache (plancache.py)
+
+
+# Plans of this process, reused while no file they were made from changed (plancache.py).
+PLANS = plancache.PlanCache()
 
 
 def plan_rank(
@@ -146,9 +154,30 @@ def plan_rank(
     tp_rank: int,
     shard_rules: list[str] | None,
     dtype: str,
+    cache: bool = True,
 ) -> ExpectedShard:
+    """What this rank expects: its layout and fingerprint, with a fresh content claim.
+
+    With `cache`, a plan made earlier in this process from the very same files is reused
+    (plancache.py says when); the claim is sampled anew either way."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
+    identity = device_identity(device.type, device_index)
+    path = Path(model_dir)
+    key = (os.path.abspath(path), tp_size, tp_rank,
+           None if shard_rules is None else tuple(shard_rules), dtype)
+    started = plancache.now_ns()
+    dirs = plancache.directory_stamps(path)
+    kept = PLANS.get(key, dirs) if cache else None
+    if kept is not None:
+        try:
+            claim = content.sample_claim(kept.files, coverage=kept.share)
+        except OSError:
+            claim = None  # a file went away: plan again, which says what is wrong
+        if claim is not None and plancache.claimed_identities(claim) == kept.identities:
+            return ExpectedShard(kept.layout, {**kept.fingerprint, "content": claim}, identity,
+                                 device, planned=False)
+        PLANS.drop(key)
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
     layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp_size, tp_rank=tp_rank,
@@ -157,10 +186,15 @@ def plan_rank(
     share = None if tp_size == 1 else {
         p.name: c for p, c in coldload.share_chunks(list(layout.entries)).items()}
     try:  # a few sampled chunks: the daemon checks them against every byte it loaded
-        fingerprint["content"] = content.sample_claim(ckpt.files, coverage=share)
+        claim = content.sample_claim(ckpt.files, coverage=share)
     except OSError as exc:
         raise CheckpointError(f"{model_dir}: cannot read: {exc}") from None
-    return ExpectedShard(layout, fingerprint, device_identity(device.type, device_index), device)
+    fingerprint["content"] = claim
+    if cache:
+        PLANS.put(key, plancache.Plan(
+            tuple(ckpt.files), dirs, plancache.claimed_identities(claim), layout,
+            {k: v for k, v in fingerprint.items() if k != "content"}, share), started)
+    return ExpectedShard(layout, fingerprint, identity, device)
 
 
 def _from_cache(
@@ -177,20 +211,43 @@ def _from_cache(
 
 def _check_table(plan: ExpectedShard, reply: dict[str, Any]) -> None:
     """The daemon's table must be exactly the layout we computed from the checkpoint
-    ourselves: anything else is a partial or foreign shard, never served."""
-    table, aliases = reply.get("tensors"), reply.get("aliases") or {}
-    if table != plan.layout.table() or aliases != plan.layout.aliases:
+    ourselves: anything else is a partial or foreign shard, never served. The daemon sends
+    the digest of its table (`ArenaLayout.digest`), compared with our own plan's."""
+    if reply.get("table_digest") != plan.layout.digest:
         raise CacheProtocolError("the daemon's tensor table differs from this checkpoint's layout")
 
 
+def _check_unchanged_after_copy(
+    sock: socket.socket, since: float, path: Path, generation: Any, *,
+    connect_timeout_s: float, state_timeout_s: float,
+) -> None:
+    """`_check_unchanged`, asked on the attach's own connection while the daemon surely keeps
+    it (its idle deadline is REQUEST_DEADLINE_S) and on a fresh one otherwise: a long copy
+    may outlast the deadline, and a connection dropped anyway is asked again anew."""
+    hello = None
+    if time.monotonic() - since < REQUEST_DEADLINE_S / 2:
+        with contextlib.suppress(DaemonUnavailableError, CacheProtocolError):
+            hello, _ = request(sock, "hello")
+    if hello is None:
+        with contextlib.closing(connect(path, timeout=connect_timeout_s)) as again:
+            again.settimeout(state_timeout_s)
+            hello, _ = request(again, "hello")
+    _check_generation(hello, generation)
+
+
 def _check_unchanged(sock: socket.socket, generation: Any) -> None:
+    """After a copy: no update wrote the arena while we copied it (`_check_generation`)."""
+    hello, _ = request(sock, "hello")
+    _check_generation(hello, generation)
+
+
+def _check_generation(hello: dict[str, Any], generation: Any) -> None:
     """After a copy: no update wrote the arena while we copied it.
 
     Copy-mode engines are not paused by an in-place update (they own their bytes once the
     copy is done), so a copy that overlapped an update's write would hold two revisions at
     once. The daemon's `hello` reports the update phase and generation: the copy is whole
     only if the generation is still the one `get_state` served and no write is under way."""
-    hello, _ = request(sock, "hello")
     raise_for(hello)
     update = hello.get("update")
     if update is None:
@@ -226,6 +283,7 @@ def _from_cache_unchecked(
         sock.settimeout(state_timeout_s)
         reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint,
                              mode=mode)
+        served_at = time.monotonic()
         try:
             raise_for(reply)
             _check_table(plan, reply)
@@ -251,11 +309,11 @@ def _from_cache_unchecked(
                     f"mapped arena holds {flat.numel()} bytes, the layout needs"
                     f" {plan.layout.nbytes}")
             if mode == "copy":
-                # Queued on the device; the mapping stays until the views are built, so that
-                # work overlaps the copy (unmapping waits for it).
+                # One copy of the whole arena, queued on the device; the mapping stays until
+                # the views are built, so that work overlaps the copy (unmapping waits for it).
                 flat = flat.clone()
-            # Our own table, now known equal to the daemon's.
-            state = tensors_from_table(flat, plan.layout.table(), plan.layout.aliases)
+            # Our own layout, now known equal to the daemon's (its digest).
+            state = plan.layout.views(flat)
         except ArenaLayoutError as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
@@ -267,10 +325,9 @@ def _from_cache_unchecked(
             imported.close()
             if plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)  # the clone has landed
-            # A fresh connection: a long copy may outlast the daemon's idle deadline on this one.
-            with contextlib.closing(connect(path, timeout=connect_timeout_s)) as again:
-                again.settimeout(state_timeout_s)
-                _check_unchanged(again, generation)
+            _check_unchanged_after_copy(sock, served_at, path, generation,
+                                        connect_timeout_s=connect_timeout_s,
+                                        state_timeout_s=state_timeout_s)
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).
         return state, flat.numel(), generation if isinstance(generation, int) else None
@@ -280,7 +337,7 @@ def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch
     """The same shard and layout as the daemon's, read from the checkpoint files."""
     flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     load_into_arena(layout, flat)  # on CUDA: the staged, multi-threaded loader
-    return tensors_from_table(flat, layout.table(), layout.aliases)
+    return layout.views(flat)
 
 
 def attach(
@@ -318,10 +375,11 @@ def attach(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", device_index)
     # Bad checkpoints and rules are configuration errors: the disk path could not do better.
-    plan = plan_rank(
-        model_dir, device=device, device_index=device_index, tp_size=tp_size, tp_rank=tp_rank,
-        shard_rules=shard_rules, dtype=dtype,
-    )
+    with gc_paused():  # the plan and the views: many objects, no cyclic garbage (gcpause.py)
+        plan = plan_rank(
+            model_dir, device=device, device_index=device_index, tp_size=tp_size,
+            tp_rank=tp_rank, shard_rules=shard_rules, dtype=dtype,
+        )
     path: Path | None = None
     try:
         if socket_path is not None:
@@ -334,10 +392,11 @@ def attach(
             except SecurityError as exc:
                 raise CacheSecurityError(str(exc)) from None
             path = derive_socket_path(directory, plan.identity, role)
-        state, nbytes, generation = _from_cache(
-            plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
-            connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
-        )
+        with gc_paused():
+            state, nbytes, generation = _from_cache(
+                plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
+                connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
+            )
         source, reason = "cache", None
     except WeightCacheError as exc:
         generation = None

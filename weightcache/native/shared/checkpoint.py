@@ -8,12 +8,13 @@ error naming the file instead of a crash halfway through loading.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import WeightCacheError
 
@@ -57,8 +58,10 @@ class CheckpointError(ValueError, WeightCacheError):
     reason = "checkpoint"
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """One tensor of a file (a named tuple: built per tensor on every attach, so it must be
+    cheap; immutable all the same)."""
+
     name: str
     tag: str  # safetensors dtype tag, e.g. "BF16"
     shape: tuple[int, ...]
@@ -89,14 +92,17 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # basename -> header
     config: dict[str, Any] | None = None
+    # basename -> sha256 (hex) of the header's raw bytes, as read: what the fingerprint hashes
+    # (the same bytes give the same digest on both sides without re-serialising the headers).
+    header_digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """(header map, byte offset where the data section starts). Raises CheckpointError."""
+def _read_raw_header(path: Path) -> tuple[bytes, int]:
+    """(raw header bytes, byte offset where the data section starts). Raises CheckpointError."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as fh:
@@ -112,10 +118,20 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raw = fh.read(hlen)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc}") from exc
-    header = _load_json(raw, f"{path}: corrupt safetensors header")
+    return raw, 8 + hlen
+
+
+def _header_object(raw: bytes, path: Path, *, depth_checked: bool = True) -> dict[str, Any]:
+    header = _load_json(raw, f"{path}: corrupt safetensors header", depth_checked=depth_checked)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    return header, 8 + hlen
+    return header
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header map, byte offset where the data section starts). Raises CheckpointError."""
+    raw, data_start = _read_raw_header(path)
+    return _header_object(raw, path), data_start
 
 
 def _depth_ok(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -145,12 +161,23 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _load_json(raw: bytes | str, where: str) -> Any:
-    """Strict JSON like serde_json: UTF-8, no NaN/Infinity, bounded nesting."""
+def _bracket_count(raw: bytes | str) -> int:
+    if isinstance(raw, bytes):
+        return raw.count(b"[") + raw.count(b"{")
+    return raw.count("[") + raw.count("{")
+
+
+def _load_json(raw: bytes | str, where: str, *, depth_checked: bool = True) -> Any:
+    """Strict JSON like serde_json: UTF-8, no NaN/Infinity, bounded nesting.
+
+    The nesting scan is a Python loop per character: it runs only when the text holds more
+    brackets than the limit (a count in C). `depth_checked=False` leaves it to the caller,
+    which knows how many brackets a valid document needs (`_parse_file`); anything deeper
+    than Python's own recursion limit is a RecursionError either way."""
     try:
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8")
-        if not _depth_ok(raw):
+        if depth_checked and _bracket_count(raw) > MAX_JSON_DEPTH and not _depth_ok(raw):
             raise CheckpointError(f"{where} (JSON nested deeper than {MAX_JSON_DEPTH})")
         return json.loads(raw, parse_constant=_no_constant)
     except UnicodeDecodeError:
@@ -161,20 +188,23 @@ def _load_json(raw: bytes | str, where: str) -> Any:
         raise CheckpointError(f"{where} (not JSON: {exc})") from None
 
 
-def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo], str]:
     """Validate one file by safetensors' own rules (`Metadata::validate` and `read_metadata`
     in safetensors/src/tensor.rs): `__metadata__` maps strings to strings; every tensor has a
     known dtype, a shape of non-negative integers and two integer offsets whose span is
     exactly shape x itemsize; sorted by offset the tensors tile the data section from 0 with
     no gap and no overlap, and the last one ends exactly at the end of the file."""
-    header, data_start = read_header(path)
+    raw, data_start = _read_raw_header(path)
+    header = _header_object(raw, path, depth_checked=False)
     data_len = os.path.getsize(path) - data_start
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     # Runs on every attach (client fingerprint) for hundreds of entries: the checks are
     # written out, and the error context is only formatted when an entry is bad.
+    brackets = 1  # the least a valid header needs: the top object, then per entry below
     for name, entry in header.items():
         if name == "__metadata__":
+            brackets += isinstance(entry, dict)
             if entry is not None and not (
                 isinstance(entry, dict)
                 and all(isinstance(v, str) for v in entry.values())
@@ -218,6 +248,13 @@ def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
             )
         spans.append((offsets[0], offsets[1], name))
         tensors[name] = TensorInfo(name, tag, tuple(shape), path, data_start + offsets[0], nbytes)
+    brackets += 3 * len(tensors)  # {..., "shape": [...], "data_offsets": [...]}
+    # Every structural bracket is a raw byte (escapes inside strings are not), so a header
+    # with no more brackets than the entries need has nothing nested anywhere else; only one
+    # with extras (an unknown key, brackets in names) pays for the exact scan.
+    if _bracket_count(raw) > brackets and not _depth_ok(raw):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header (JSON nested deeper than {MAX_JSON_DEPTH})")
     end = 0
     for start, stop, name in sorted(spans):
         if start != end:
@@ -228,7 +265,7 @@ def _parse_file(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
         raise CheckpointError(
             f"{path}: tensors cover {end} of {data_len} data bytes (trailing bytes)"
         )
-    return header, tensors
+    return header, tensors, hashlib.sha256(raw).hexdigest()
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -299,8 +336,9 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
         )
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, Any]] = {}
+    digests: dict[str, str] = {}
     for file in files:
-        header, found = _parse_file(file)
+        header, found, digests[file.name] = _parse_file(file)
         headers[file.name] = header
         for name, info in found.items():
             if name in tensors:
@@ -322,7 +360,7 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
             raise
         except OSError as exc:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
-    return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config)
+    return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config, digests)
 
 
 def tied_aliases(ckpt: Checkpoint) -> dict[str, str]:

@@ -9,10 +9,13 @@ a table back into named tensors and is shared by the daemon's disk path and the 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgpack
 import torch
 
 from weightcache.errors import ProjectError
@@ -54,8 +57,9 @@ def target_dtype(source: torch.dtype, dtype: str) -> torch.dtype:
     return dtype_from_name(dtype)
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
+    """One tensor's place in the arena (a named tuple: built per tensor on every attach)."""
+
     name: str
     source: TensorInfo
     spec: ShardSpec
@@ -84,6 +88,10 @@ def _contiguous(shape: list[int]) -> list[int]:
     return list(reversed(stride))
 
 
+# What `ArenaLayout.digest` hashes; a new encoding gets a new tag (and a protocol version).
+LAYOUT_DIGEST = "weightcache-layout/1"
+
+
 @dataclass(frozen=True)
 class ArenaLayout:
     entries: list[Entry]
@@ -92,6 +100,72 @@ class ArenaLayout:
 
     def table(self) -> list[dict[str, Any]]:
         return [e.row() for e in self.entries]
+
+    @functools.cached_property
+    def _digest_rows(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+        names: dict[torch.dtype, str] = {}
+        rows = []
+        for e in self.entries:
+            tag = names.get(e.dtype)
+            if tag is None:
+                tag = names[e.dtype] = dtype_name(e.dtype)
+            rows.append((e.name, tag, e.spec.shape, e.offset, e.nbytes))
+        return rows
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 (hex) of the whole table: every name, dtype, shape, offset and size in
+        order, the aliases and the arena size (strides are contiguous by construction).
+
+        What the daemon's `get_state` sends instead of the rows: equal digests mean the
+        daemon's arena is laid out exactly as the engine's own plan, at a few bytes on the
+        wire whatever the tensor count (a 100,000-tensor table was 11 MB of msgpack)."""
+        data = msgpack.packb(
+            [LAYOUT_DIGEST, self._digest_rows, sorted(self.aliases.items()), self.nbytes],
+            use_bin_type=True)
+        return hashlib.sha256(data).hexdigest()
+
+    @functools.cached_property
+    def _views(self) -> tuple[list[str], list[tuple[torch.dtype, list[str], list, list, list]]]:
+        """The entries' names in order, and per dtype: names, shapes, strides and element
+        offsets, computed once per layout (a kept plan reuses them on every attach)."""
+        groups: dict[torch.dtype, tuple[list[str], list, list, list]] = {}
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a checkpoint has few shapes
+        for e in self.entries:
+            group = groups.get(e.dtype)
+            if group is None:
+                group = groups[e.dtype] = ([], [], [], [])
+            shape = e.spec.shape
+            stride = strides.get(shape)
+            if stride is None:
+                stride = strides[shape] = tuple(_contiguous(list(shape)))
+            group[0].append(e.name)
+            group[1].append(shape)
+            group[2].append(stride)
+            group[3].append(e.offset // e.dtype.itemsize)
+        return [e.name for e in self.entries], [(d, *g) for d, g in groups.items()]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views of `flat` laid out by this layout (our own plan, so no row is checked
+        but the size), in the layout's order; aliases map to their target's tensor object.
+
+        One `as_strided` per tensor on a per-dtype view of the arena, mapped in C over the
+        precomputed arguments. Grouping equal shapes into one strided tensor and `unbind`
+        would be cheaper still, but gives multi-output views, which autograd forbids copying
+        a grad-requiring tensor into in place: an engine must get plain views."""
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < self.nbytes:
+            raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {self.nbytes} bytes")
+        size = flat.numel()
+        order, groups = self._views
+        out: dict[str, torch.Tensor] = {}
+        for dtype, names, shapes, strides, starts in groups:
+            typed = flat[: size - size % dtype.itemsize].view(dtype)
+            out.update(zip(names, map(typed.as_strided, shapes, strides, starts), strict=True))
+        if len(groups) > 1:
+            out = {name: out[name] for name in order}
+        for alias, target in self.aliases.items():
+            out[alias] = out[target]
+        return out
 
 
 def plan_layout(
@@ -110,19 +184,34 @@ def plan_layout(
     aliases = dict(aliases or {})
     entries: list[Entry] = []
     offset = 0
-    targets: dict[str, torch.dtype] = {}  # per safetensors tag: this runs on every attach
+    # Per safetensors tag: (target dtype, its itemsize, the source's). This runs per tensor
+    # on an engine's first attach, so the common cases are written out: at TP=1 every tensor
+    # is whole (plan_shard's answer, without the call), and a whole tensor's size follows
+    # from the file's.
+    targets: dict[str, tuple[torch.dtype, int, int]] = {}
+    whole = tp_size == 1
+    mask = ARENA_ALIGN - 1
     for name, info in ckpt.tensors.items():
         if name in aliases:
             continue
-        spec = plan_shard(name, info.shape, rules, tp_size, tp_rank)
-        out = targets.get(info.tag)
-        if out is None:
-            out = targets[info.tag] = target_dtype(info.dtype, dtype)
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        nbytes = numel * out.itemsize
-        offset = align_up(offset, ARENA_ALIGN)
+        shape = info.shape
+        if whole:
+            spec = ShardSpec(None, 0, shape[0] if shape else 0, shape)
+        else:
+            spec = plan_shard(name, shape, rules, tp_size, tp_rank)
+        target = targets.get(info.tag)
+        if target is None:
+            out = target_dtype(info.dtype, dtype)
+            target = targets[info.tag] = (out, out.itemsize, info.itemsize)
+        out, size, source = target
+        if spec.dim is None:
+            nbytes = info.nbytes // source * size
+        else:
+            numel = 1
+            for d in spec.shape:
+                numel *= d
+            nbytes = numel * size
+        offset = (offset + mask) & ~mask  # align_up(offset, ARENA_ALIGN), a power of two
         entries.append(Entry(name, info, spec, out, offset, nbytes))
         offset += nbytes
     # An alias of a tensor the checkpoint does not hold is dropped rather than dangling.

@@ -20,7 +20,10 @@ import msgpack
 
 from weightcache.errors import ProjectError
 
-PROTOCOL_VERSION = 1
+# 2: get_state answers a `table_digest` (loader.ArenaLayout.digest) instead of the rows, and
+# the fingerprint's `checkpoint` hashes the raw header bytes. A v1 peer is refused cleanly
+# both ways: hello's protocol (client side), runtime_version in the fingerprint (daemon side).
+PROTOCOL_VERSION = 2
 MAX_FRAME = 16 * 1024 * 1024
 MAX_FDS = 16
 _HEADER = struct.Struct(">I")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from weightcache.errors import ProjectError
 
@@ -61,9 +62,10 @@ def shard_dim(name: str, rules: list[ShardRule]) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where rank `tp_rank`'s part of a tensor lives: dim, start, length (None: replicated)."""
+class ShardSpec(NamedTuple):
+    """Where rank `tp_rank`'s part of a tensor lives: dim, start, length (None: replicated).
+
+    A named tuple: one is built per tensor on every attach."""
 
     dim: int | None
     start: int

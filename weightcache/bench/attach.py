@@ -1,0 +1,419 @@
+"""Bench section `attach`: what an attach costs per tensor, for one shard, in copy mode and
+under a burst, against `load_file` of the same files in the same run.
+
+Parts (WEIGHTCACHE_BENCH_ATTACH_PARTS, default all):
+- `shard`: the 291-tensor Llama-3.1-8B-shaped shard (16.06 GB with `--device cuda`; the
+  same 291 names at small dimensions on CPU). Attach through the public client
+  (`weightcache.client.attach`, zero copy, fallback off): the first attach in this process
+  (torch imported, plan not yet made), the median of repeats, the plan alone (kept and
+  made anew) and, on CUDA, copy mode end to end (one copy of the arena, then views) in TB/s.
+- `scaling`: one file of N 1 KiB tensors named like MoE experts, N = 300 / 3,000 / 30,000 /
+  100,000 (smoke: 30 / 300): the median attach, the first attach of each count with no
+  kept plan, and the marginal cost per tensor (least squares over the counts), with
+  `load_file` of the same file as the baseline.
+- `burst` (CPU; not run by default with `--device cuda`): 200 attaches at once (8 processes
+  x 25 threads, each process new to the checkpoint, as engines starting together) of the
+  demo checkpoint: p50 / p99 / max, one idle attach and its plan, against one `load_file`
+  of the same files.
+
+Checkpoints are sparse files (the header is real, the data a hole that reads as zeros):
+attach time depends on the table and the mapping, not on the values, and a 16 GB shard then
+takes no time to write. Every figure is printed; `WEIGHTCACHE_BENCH_ATTACH_OUT` also writes
+them as JSON. Targets are shown, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from weightcache.bench.report import add_smoke_flag, print_ratios
+
+TARGETS = {"attach_ms_median_291": 10.0, "first_attach_ms_291": 50.0,
+           "marginal_us_per_tensor": 5.0, "copy_tb_per_s": 1.5}
+LLAMA_8B = dict(hidden=4096, intermediate=14336, layers=32, kv=1024, vocab=128256)
+SMALL_8B = dict(hidden=256, intermediate=512, layers=32, kv=64, vocab=1024)  # 291 names, CPU
+
+
+def llama_specs(hidden: int, intermediate: int, layers: int, kv: int, vocab: int
+                ) -> list[tuple[str, list[int]]]:
+    """The 291 bf16 tensors of a Llama-3.1-8B `save_pretrained` (untied head)."""
+    out = [("model.embed_tokens.weight", [vocab, hidden]), ("model.norm.weight", [hidden]),
+           ("lm_head.weight", [vocab, hidden])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", [hidden]),
+                (p + "post_attention_layernorm.weight", [hidden]),
+                (p + "self_attn.q_proj.weight", [hidden, hidden]),
+                (p + "self_attn.k_proj.weight", [kv, hidden]),
+                (p + "self_attn.v_proj.weight", [kv, hidden]),
+                (p + "self_attn.o_proj.weight", [hidden, hidden]),
+                (p + "mlp.gate_proj.weight", [intermediate, hidden]),
+                (p + "mlp.up_proj.weight", [intermediate, hidden]),
+                (p + "mlp.down_proj.weight", [hidden, intermediate])]
+    return out
+
+
+def expert_specs(n: int) -> list[tuple[str, list[int]]]:
+    """n 1 KiB bf16 tensors named like an MoE checkpoint's experts."""
+    per_layer = 3 * 256
+    return [(f"model.layers.{i // per_layer}.mlp.experts.{i % per_layer // 3}."
+             f"{('gate_proj', 'up_proj', 'down_proj')[i % 3]}.weight", [512]) for i in range(n)]
+
+
+def write_sparse(path: Path, specs: list[tuple[str, list[int]]], files: int = 1) -> Path:
+    """A bf16 safetensors checkpoint of `specs` in `files` files (+ index when > 1); the data
+    sections are holes."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    per = -(-len(specs) // files)
+    weight_map: dict[str, str] = {}
+    for k in range(files):
+        part = specs[k * per:(k + 1) * per]
+        name = ("model.safetensors" if files == 1
+                else f"model-{k + 1:05d}-of-{files:05d}.safetensors")
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for tensor, shape in part:
+            n = 2
+            for d in shape:
+                n *= d
+            header[tensor] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
+            off += n
+            weight_map[tensor] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((8 - len(raw) % 8) % 8)
+        with open(path / name, "wb") as fh:
+            fh.write(len(raw).to_bytes(8, "little"))
+            fh.write(raw)
+            fh.truncate(8 + len(raw) + off)
+    if files > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    return path
+
+
+def _forget_plans() -> None:
+    """Empty this process' kept plans (a client without them has none to empty: the same
+    bench then measures an older tree for comparison)."""
+    try:
+        from weightcache.native.engine.attach import PLANS
+    except ImportError:
+        return
+    PLANS.clear()
+
+
+def _aged(path: Path) -> None:
+    """Wait until what was just written is older than the plan cache's racy window, as a
+    checkpoint an engine attaches is (a plan of files written within it is not kept)."""
+    try:
+        from weightcache.native.engine.plancache import RACY_S
+    except ImportError:
+        RACY_S = 0.0
+    newest = max(max(p.stat().st_mtime, p.stat().st_ctime) for p in [path, *path.iterdir()])
+    time.sleep(max(0.0, newest + RACY_S + 0.1 - time.time()))
+
+
+class Daemon:
+    """The real `weightcache preload` for one checkpoint, on `device`."""
+
+    def __init__(self, model: Path, device: str) -> None:
+        from weightcache.testing.processes import Preload
+
+        self.sockets = Path(tempfile.mkdtemp(prefix="wc-attach-sock-"))
+        os.chmod(self.sockets, 0o700)
+        self.proc = Preload(["--model", str(model), "--device", device.split(":")[0],
+                             "--weight-cache-socket-dir", str(self.sockets)])
+        self.ready = self.proc.wait_ready(600)
+        self.socket = self.ready["sockets"][0]
+
+    def stop(self) -> None:
+        self.proc.stop()
+        shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _attach(model: Path, device: str, sock: str, mode: str = "zero_copy") -> Any:
+    from weightcache.client import attach
+
+    res = attach(model, device=device, socket_path=sock, fallback=False, mode=mode)
+    _sync(device)
+    return res
+
+
+def _load_file(model: Path, device: str) -> None:
+    from safetensors.torch import load_file
+
+    for f in sorted(model.glob("*.safetensors")):
+        load_file(str(f), device=device)
+    _sync(device)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _first_and_median(model: Path, device: str, sock: str, repeat: int) -> dict[str, Any]:
+    """First attach with no kept plan (the plan cache emptied), then `repeat` attaches."""
+    _forget_plans()
+    first = _timed(lambda: _attach(model, device, sock))
+    times = [_timed(lambda: _attach(model, device, sock)) for _ in range(repeat)]
+    unkept = []
+    for _ in range(max(1, repeat // 4)):
+        _forget_plans()
+        unkept.append(_timed(lambda: _attach(model, device, sock)))
+    return {"first_ms": _ms(first), "median_ms": _ms(statistics.median(times)),
+            "min_ms": _ms(min(times)), "max_ms": _ms(max(times)),
+            "no_kept_plan_median_ms": _ms(statistics.median(unkept)), "repeat": repeat}
+
+
+def _plan_ms(model: Path, device: str, cache: bool, repeat: int) -> float:
+    import torch
+
+    from weightcache.native.engine.attach import plan_rank
+
+    dev = torch.device(device)
+    index = dev.index or 0
+
+    kw = {"cache": cache} if "cache" in inspect.signature(plan_rank).parameters else {}
+
+    def once() -> None:
+        plan_rank(model, device=dev, device_index=index, tp_size=1, tp_rank=0,
+                  shard_rules=None, dtype="auto", **kw)
+
+    once()
+    return _ms(statistics.median(_timed(once) for _ in range(repeat)))
+
+
+# -- parts --------------------------------------------------------------------------------
+def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
+    dims = LLAMA_8B if device.startswith("cuda") and not smoke else SMALL_8B
+    model = write_sparse(work / "shard", llama_specs(**dims), files=4)
+    _aged(model)
+    daemon = Daemon(model, device)
+    try:
+        out: dict[str, Any] = {"tensors": 291, "bytes": daemon.ready["bytes"]}
+        out["load_file_s"] = round(statistics.median(
+            _timed(lambda: _load_file(model, device))
+            for _ in range(1 if smoke or device.startswith("cuda") else 3)), 4)
+        out.update(_first_and_median(model, device, daemon.socket, 3 if smoke else 20))
+        out["plan_kept_ms"] = _plan_ms(model, device, True, 3 if smoke else 20)
+        out["plan_made_ms"] = _plan_ms(model, device, False, 3 if smoke else 10)
+        if device.startswith("cuda"):
+            import torch
+
+            copies = []
+            for _ in range(2 if smoke else 5):
+                copies.append(_timed(lambda: _attach(model, device, daemon.socket, "copy")))
+                torch.cuda.empty_cache()  # each copy allocates its 16 GB anew, as an engine
+            out["copy_first_s"] = round(copies[0], 5)
+            out["copy_median_s"] = round(statistics.median(copies), 5)
+            out["copy_tb_per_s_first"] = round(out["bytes"] / copies[0] / 1e12, 3)
+            out["copy_tb_per_s_median"] = round(out["bytes"] / statistics.median(copies) / 1e12, 3)
+            # The same with the allocator's block kept between copies: what the allocation of
+            # 16 GB of fresh device memory costs inside the figure above.
+            reused = [_timed(lambda: _attach(model, device, daemon.socket, "copy"))
+                      for _ in range(2 if smoke else 5)]
+            torch.cuda.empty_cache()
+            out["copy_reused_block_median_s"] = round(statistics.median(reused), 5)
+            out["copy_reused_block_tb_per_s"] = round(
+                out["bytes"] / statistics.median(reused) / 1e12, 3)
+        return out
+    finally:
+        daemon.stop()
+        shutil.rmtree(model, ignore_errors=True)
+
+
+def part_scaling(work: Path, device: str, smoke: bool) -> list[dict[str, Any]]:
+    counts = [30, 300] if smoke else [300, 3_000, 30_000, 100_000]
+    rows = []
+    for n in counts:
+        model = write_sparse(work / f"experts-{n}", expert_specs(n))
+        _aged(model)
+        daemon = Daemon(model, device)
+        try:
+            repeat = 3 if smoke else (20 if n <= 3_000 else 5)
+            row: dict[str, Any] = {"tensors": n}
+            row.update(_first_and_median(model, device, daemon.socket, repeat))
+            row["load_file_ms"] = _ms(statistics.median(
+                _timed(functools.partial(_load_file, model, device))
+                for _ in range(max(2, repeat // 2))))
+            row["us_per_tensor"] = round(row["median_ms"] * 1e3 / n, 3)
+            rows.append(row)
+        finally:
+            daemon.stop()
+            shutil.rmtree(model, ignore_errors=True)
+    return rows
+
+
+def _slope_us(rows: list[dict[str, Any]], key: str) -> float:
+    xs, ys = [r["tensors"] for r in rows], [r[key] * 1e3 for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den, 3)
+
+
+def _burst_child(args: tuple[str, str, int, float]) -> list[float]:
+    model, sock, threads, start_at = args
+    _forget_plans()  # each process is an engine new to the checkpoint
+
+    def one(_: int) -> float:
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.perf_counter()
+        res = _attach(Path(model), "cpu", sock)
+        assert res.source == "cache", res.reason
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(threads)))
+
+
+def part_burst(work: Path, smoke: bool) -> dict[str, Any]:
+    from weightcache.testing.checkpoints import DEMO, TINY, write_llama_checkpoint
+
+    model = write_llama_checkpoint(work / "demo", TINY if smoke else DEMO, files=2)
+    _aged(model)
+    daemon = Daemon(model, "cpu")
+    procs, threads = (2, 5) if smoke else (8, 25)
+    try:
+        out: dict[str, Any] = {"attaches": procs * threads, "processes": procs}
+        out["load_file_ms"] = _ms(statistics.median(
+            _timed(lambda: _load_file(model, "cpu")) for _ in range(3)))
+        idle = _first_and_median(model, "cpu", daemon.socket, 3 if smoke else 20)
+        out["idle_attach_ms"] = idle["median_ms"]
+        out["idle_attach_no_kept_plan_ms"] = idle["no_kept_plan_median_ms"]
+        out["idle_plan_kept_ms"] = _plan_ms(model, "cpu", True, 10)
+        out["idle_plan_made_ms"] = _plan_ms(model, "cpu", False, 10)
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(procs) as pool:
+            start_at = time.time() + 1.0  # every thread starts together, once forked
+            per = pool.map(_burst_child, [(str(model), daemon.socket, threads, start_at)] * procs)
+        lat = sorted(x for chunk in per for x in chunk)
+        q = statistics.quantiles(lat, n=100, method="inclusive")
+        out.update(p50_ms=_ms(statistics.median(lat)), p99_ms=_ms(q[98]), max_ms=_ms(lat[-1]))
+        return out
+    finally:
+        daemon.stop()
+        shutil.rmtree(model, ignore_errors=True)
+
+
+# -- report -------------------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="weightcache bench attach")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_smoke_flag(p)
+    args = p.parse_args(argv)
+    device = args.device
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("  skipped: --device cuda but no CUDA device is visible")
+            return 0
+        device = "cuda:0" if device == "cuda" else device
+        torch.cuda.set_device(torch.device(device))
+        torch.empty(0, device=device)  # the CUDA context exists before the first attach
+    import logging
+
+    logging.getLogger("weightcache.client").setLevel(logging.ERROR)
+    default = "shard,scaling" if device.startswith("cuda") else "shard,scaling,burst"
+    parts = set((os.environ.get("WEIGHTCACHE_BENCH_ATTACH_PARTS") or default).split(","))
+    work = Path(os.environ.get("WEIGHTCACHE_BENCH_ATTACH_WORKDIR") or
+                tempfile.mkdtemp(prefix="wc-attach-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"section": "attach", "device": device, "targets": TARGETS,
+                              "smoke": args.smoke}
+    lock = threading.Lock()
+
+    def save() -> None:
+        if out := os.environ.get("WEIGHTCACHE_BENCH_ATTACH_OUT"):
+            with lock:
+                Path(out).write_text(json.dumps(report, indent=2))
+
+    try:
+        if "shard" in parts:
+            s = report["shard"] = part_shard(work, device, args.smoke)
+            save()
+            rows = [("attach, first in process (no plan yet)", s["first_ms"] / 1e3),
+                    ("attach, median", s["median_ms"] / 1e3),
+                    ("attach, median with no kept plan", s["no_kept_plan_median_ms"] / 1e3)]
+            notes = [f"plan kept {s['plan_kept_ms']} ms, made anew {s['plan_made_ms']} ms;"
+                     f" targets: median <= {TARGETS['attach_ms_median_291']} ms, first <="
+                     f" {TARGETS['first_attach_ms_291']} ms"]
+            if "copy_median_s" in s:
+                rows.append(("copy mode end to end, median", s["copy_median_s"]))
+                notes.append(f"copy mode {s['copy_tb_per_s_median']} TB/s median,"
+                             f" {s['copy_tb_per_s_first']} TB/s first,"
+                             f" {s['copy_reused_block_tb_per_s']} TB/s into a kept allocator"
+                             f" block (target >= {TARGETS['copy_tb_per_s']})")
+            print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
+                         ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
+        if "scaling" in parts:
+            rows = report["scaling"] = part_scaling(work, device, args.smoke)
+            report["marginal_us_per_tensor"] = _slope_us(rows, "median_ms")
+            report["marginal_us_per_tensor_no_kept_plan"] = _slope_us(
+                rows, "no_kept_plan_median_ms")
+            report["marginal_us_per_tensor_load_file"] = _slope_us(rows, "load_file_ms")
+            save()
+            print(f"  attach scaling ({device}), 1 KiB tensors, ms (x = load_file / attach)")
+            print(f"    {'tensors':>8} {'attach':>9} {'no plan':>9} {'first':>9} {'load_file':>10}"
+                  f" {'us/tensor':>10} {'x':>7}")
+            for r in rows:
+                print(f"    {r['tensors']:>8} {r['median_ms']:>9.2f} "
+                      f"{r['no_kept_plan_median_ms']:>9.2f} {r['first_ms']:>9.2f} "
+                      f"{r['load_file_ms']:>10.2f} {r['us_per_tensor']:>10.2f} "
+                      f"{r['load_file_ms'] / r['median_ms']:>7.1f}")
+            print(f"    marginal per tensor: attach {report['marginal_us_per_tensor']} us,"
+                  f" with no kept plan {report['marginal_us_per_tensor_no_kept_plan']} us,"
+                  f" load_file {report['marginal_us_per_tensor_load_file']} us"
+                  f" (target <= {TARGETS['marginal_us_per_tensor']} us)")
+        if "burst" in parts:
+            b = report["burst"] = part_burst(work, args.smoke)
+            save()
+            print_ratios(
+                f"attach burst (cpu): {b['attaches']} attaches at once from {b['processes']}"
+                " processes, demo checkpoint",
+                ("load_file of the same files, idle", b["load_file_ms"] / 1e3),
+                [("attach, idle, median", b["idle_attach_ms"] / 1e3),
+                 ("attach under the burst, p50", b["p50_ms"] / 1e3),
+                 ("attach under the burst, p99", b["p99_ms"] / 1e3)],
+                notes=[f"idle plan kept {b['idle_plan_kept_ms']} ms, made anew"
+                       f" {b['idle_plan_made_ms']} ms; idle attach with no kept plan"
+                       f" {b['idle_attach_no_kept_plan_ms']} ms; burst max {b['max_ms']} ms"])
+        save()
+        return 0
+    finally:
+        if not os.environ.get("WEIGHTCACHE_BENCH_ATTACH_WORKDIR"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
