@@ -250,6 +250,16 @@ def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+def _write_arena(arena: Arena, src: torch.Tensor) -> None:
+    """Copy host bytes into the arena's own memory (so every address stays) and wait for it:
+    memfd through the daemon's writable mapping, CUDA one host-to-device copy."""
+    dst = arena.tensor()[: src.numel()]
+    dst.copy_(src, non_blocking=True)
+    if dst.is_cuda:
+        torch.cuda.synchronize(dst.device)
+    del dst
+
+
 class RankUpdater:
     """The update state machine of one rank; every method runs under `self._lock`."""
 
@@ -614,14 +624,10 @@ class RankUpdater:
         arena = self.server.arena
         if arena is None:
             raise UpdateError(proto.E_RELEASED, "the cache was released")
-        self.phase = WRITTEN  # from here on, a failure leaves the arena torn: broken
+        self.phase = WRITTEN  # from here on, a failure tears the arena: roll back, or broken
         t0 = time.monotonic()
         try:
-            dst = arena.tensor()[: staged.buffer.numel()]
-            dst.copy_(staged.buffer, non_blocking=True)
-            if dst.is_cuda:
-                torch.cuda.synchronize(dst.device)
-            del dst
+            _write_arena(arena, staged.buffer)
         except Exception as exc:
             why = f"write failed: {type(exc).__name__}: {exc}"
             if self._roll_back(staged, why):
@@ -681,11 +687,7 @@ class RankUpdater:
         if staged.previous is None or arena is None:
             return False
         try:
-            dst = arena.tensor()[: staged.previous.numel()]
-            dst.copy_(staged.previous, non_blocking=True)
-            if dst.is_cuda:
-                torch.cuda.synchronize(dst.device)
-            del dst
+            _write_arena(arena, staged.previous)
         except Exception as exc:
             log.error("rank %d: rollback failed: %s: %s", self.server.rank,
                       type(exc).__name__, exc)
