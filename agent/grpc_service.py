@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import State, Supervisor
-from weightcache.agent.update_rpc import ABORT, ALL, COMMIT, PAUSE, PREPARE, AgentUpdater
+from weightcache.agent.update_rpc import ABORT, ALL, COMMIT, PAUSE, PREPARE, WRITE, AgentUpdater
 from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("weightcache.agent.grpc")
@@ -38,6 +38,7 @@ _PHASES = {
     agent_pb2.UPDATE_PHASE_PAUSE: PAUSE,
     agent_pb2.UPDATE_PHASE_COMMIT: COMMIT,
     agent_pb2.UPDATE_PHASE_ABORT: ABORT,
+    agent_pb2.UPDATE_PHASE_WRITE: WRITE,
 }
 MAX_PATH = 4096
 
@@ -96,7 +97,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             seconds_staged=float(report.get("seconds_staged") or 0),
             seconds_paused=float(report.get("seconds_paused") or 0),
             engines_paused=int(report.get("engines_paused") or 0), broken=out.broken,
-            tensors=(out.tensors or [])[:16])
+            tensors=(out.tensors or [])[:16], rollback=bool(report.get("rollback")),
+            rollback_why=str(report.get("rollback_why") or "")[:512],
+            rolled_back=out.rolled_back)
 
     def Restart(self, request, context):
         accepted, epoch, message = self.supervisor.restart(request.epoch)

@@ -35,7 +35,7 @@ CACHE_LABELS = ["cache", "namespace", "node"]
 RANK_LABELS = [*CACHE_LABELS, "rank", "tp_rank", "dp_rank", "gpu_uuid", "role", "UUID", "Hostname"]
 # Daemon results folded into three values so a misbehaving peer cannot grow label sets.
 KNOWN_COMMANDS = frozenset((*protocol.COMMANDS, *protocol.UPDATE_COMMANDS))
-UPDATE_RESULTS = frozenset({"ok", "refused", "timeout", "aborted", "failed"})
+UPDATE_RESULTS = frozenset({"ok", "refused", "timeout", "aborted", "rolled_back", "failed"})
 # Mismatch labels: the fingerprint's fixed fields; anything else a daemon reports is `other`.
 MISMATCH_FIELDS = frozenset(FINGERPRINT_FIELDS)
 MAX_BUCKETS = 32  # histogram bounds taken from the daemons' stats (theirs are 14 + Inf)

@@ -2,8 +2,10 @@
 
 Why phases over RPC: the ranks of a multi-node group live behind several agents, and they must
 all switch at one barrier or none may. The operator calls PREPARE on every node (stage and
-verify; engines keep serving), then PAUSE on every node, then COMMIT on every node; a refusal
-anywhere before COMMIT makes it call ABORT everywhere, so every node keeps the old generation.
+verify; engines keep serving), then PAUSE on every node, then WRITE on every node (engines stay
+paused), then COMMIT (finish) on every node; a refusal anywhere before COMMIT makes it call ABORT
+everywhere, so every node keeps the old generation: after WRITE each daemon writes back the host
+copy of its previous bytes it kept at PREPARE (rollback; `UpdateOutcome.rolled_back`).
 Between calls this agent holds the node's `GroupUpdate` (its daemon connections own the
 update); a held update nobody moves on is aborted after a deadline, so a dead operator never
 leaves engines paused (HOLD_PAUSED_S) or host staging pinned (HOLD_PREPARED_S).
@@ -25,7 +27,7 @@ from weightcache.native.coordinator import GroupUpdate, UpdateError
 
 log = logging.getLogger("weightcache.agent.updates")
 
-ALL, PREPARE, PAUSE, COMMIT, ABORT = "all", "prepare", "pause", "commit", "abort"
+ALL, PREPARE, PAUSE, WRITE, COMMIT, ABORT = "all", "prepare", "pause", "write", "commit", "abort"
 HOLD_PREPARED_S = 300.0
 HOLD_PAUSED_S = 30.0
 DEFAULT_PAUSE_DEADLINE_S = 30.0
@@ -39,6 +41,7 @@ class UpdateOutcome:
     broken: bool = False
     report: dict[str, Any] | None = None
     tensors: list[str] | None = None
+    rolled_back: bool = False  # bytes were written and every rank put the previous ones back
 
 
 class AgentUpdater:
@@ -68,16 +71,18 @@ class AgentUpdater:
             try:
                 return self._step(phase, sockets, model_path, revision, force, deadline)
             except UpdateError as exc:
-                self._drop()
+                rolled_back = bool(exc.detail.get("rolled_back")) | self._drop()
                 log.warning("update to %s refused: %s", model_path, exc)
                 return UpdateOutcome(False, exc.code, str(exc), broken=exc.broken,
-                                     tensors=list(exc.detail.get("tensors") or []))
+                                     tensors=list(exc.detail.get("tensors") or []),
+                                     rolled_back=rolled_back)
 
     def _step(self, phase: str, sockets: list[str], model_path: str, revision: str,
               force: bool, deadline: float) -> UpdateOutcome:
         if phase == ABORT:
-            self._drop()
-            return UpdateOutcome(True, message="aborted")
+            rolled_back = self._drop()
+            return UpdateOutcome(True, message="rolled back" if rolled_back else "aborted",
+                                 rolled_back=rolled_back)
         if phase in (PREPARE, ALL):
             if not model_path:
                 return UpdateOutcome(False, "bad_request", "model_path is required")
@@ -102,8 +107,15 @@ class AgentUpdater:
             self._arm(HOLD_PAUSED_S)
             if phase == PAUSE:
                 return UpdateOutcome(True, report=dict(self._group.report))
-        if phase in (COMMIT, ALL):
+        if phase == WRITE:
             if self._phase != PAUSE:
+                return UpdateOutcome(False, "update_state", f"update is {self._phase}")
+            self._group.write()
+            self._phase = WRITE
+            self._arm(HOLD_PAUSED_S)  # engines are paused: the same bound as after PAUSE
+            return UpdateOutcome(True, report=dict(self._group.report))
+        if phase in (COMMIT, ALL):
+            if self._phase not in (PAUSE, WRITE):
                 return UpdateOutcome(False, "update_state", f"update is {self._phase}")
             report = self._group.commit()
             self.runtime.serve_model(self._target[0])
@@ -128,14 +140,18 @@ class AgentUpdater:
                 log.warning("held update (%s) expired: aborting", self._phase)
                 self._drop()
 
-    def _drop(self) -> None:
+    def _drop(self) -> bool:
+        """Abort and forget the held update; True when written bytes were rolled back."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        rolled_back = False
         if self._group is not None:
             self._group.abort()
+            rolled_back = bool(self._group.report.get("rolled_back"))
             self._group.close()
         self._group, self._phase, self._target = None, "", None
+        return rolled_back
 
     def generation(self, rank_stats: list[dict[str, Any] | None]) -> int:
         """The generation every rank serves (the lowest, should ranks disagree)."""

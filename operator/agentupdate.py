@@ -3,10 +3,13 @@
 Why the phases: a multi-node group's ranks are split over agents, and engines of one group
 must never run with some ranks on the old weights and some on the new. So every node first
 stages (PREPARE; engines keep serving), then every node pauses its engines (PAUSE), and only
-when all paused does any node write (COMMIT). A refusal before COMMIT aborts every node, and
-the whole group keeps the old generation. A failure during COMMIT (after bytes changed) is
-reported as broken: those daemons refuse engines until the next update or a restart.
-A one-node group does the three phases in one call (UPDATE_PHASE_ALL).
+when all paused does any node write (WRITE; engines stay paused), and only when all wrote does
+any node switch (COMMIT: finish, resume). A refusal or failure before COMMIT aborts every node,
+and the whole group keeps the old generation: a node that already wrote puts back the copy of
+its previous bytes it kept in host memory (reason RolledBack). Only where a node kept no copy
+(host memory did not allow it, the agent says so at PREPARE), or a failure during COMMIT, are
+ranks reported broken (UpdateFailed): they refuse engines until the next update or a restart.
+A one-node group does the phases in one call (UPDATE_PHASE_ALL).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ REASONS = {
     "unsupported": "Unsupported",
     "unavailable": "AgentUnreachable",
     "bad_request": "BadRevision",
+    "no_rollback": "NoRollback",
 }
+ROLLED_BACK = "RolledBack"
 
 
 @dataclass
@@ -36,6 +41,9 @@ class NodeUpdate:
     generation: int = 0
     broken: bool = False
     tensors: list[str] = field(default_factory=list)
+    rolled_back: bool = False
+    rollback: bool = False  # PREPARE: the node keeps a copy of its current bytes
+    rollback_why: str = ""
 
 
 @dataclass
@@ -45,6 +53,7 @@ class GroupResult:
     message: str = ""
     broken: bool = False
     generations: dict[str, int] = field(default_factory=dict)  # address -> generation
+    no_rollback: str = ""  # why some node updated without a rollback copy ("" if none)
 
 
 async def _call(address: str, phase: int, path: str, revision: str, force: bool,
@@ -63,7 +72,7 @@ async def _call(address: str, phase: int, path: str, revision: str, force: bool,
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         return NodeUpdate(False, "unavailable", f"agent {address}: {detail}")
     return NodeUpdate(reply.ok, reply.error, reply.message, int(reply.generation), reply.broken,
-                      list(reply.tensors))
+                      list(reply.tensors), reply.rolled_back, reply.rollback, reply.rollback_why)
 
 
 async def update_group(addresses: list[str], path: str, revision: str, *, force: bool = False,
@@ -80,6 +89,8 @@ async def update_group(addresses: list[str], path: str, revision: str, *, force:
         message = f"{where}: {bad.message}"
         if bad.tensors:
             message += f" (tensors: {', '.join(bad.tensors[:8])})"
+        if bad.rolled_back and not (broken or bad.broken):
+            return GroupResult(False, ROLLED_BACK, f"{message}; every node was rolled back")
         reason = "UpdateFailed" if broken or bad.broken else REASONS.get(bad.error,
                                                                           "UpdateRefused")
         return GroupResult(False, reason, message, broken=broken or bad.broken)
@@ -96,8 +107,23 @@ async def update_group(addresses: list[str], path: str, revision: str, *, force:
             if not all(r.ok for r in replies):
                 await each(agent_pb2.UPDATE_PHASE_ABORT)  # nobody switches
                 return refused(replies)
+        replies = await each(agent_pb2.UPDATE_PHASE_WRITE)
+        if not all(r.ok for r in replies):
+            aborts = await each(agent_pb2.UPDATE_PHASE_ABORT)
+            # Whole again when every node that wrote put its old bytes back and no node that
+            # failed its write is broken (an unreachable one lost its daemons' connections:
+            # they rolled back, or broke, by themselves; the node's own status tells).
+            whole = all(a.ok and a.rolled_back if w.ok else not w.broken
+                        for w, a in zip(replies, aborts, strict=True))
+            bad = next(r for r in replies if not r.ok)
+            bad.rolled_back = whole
+            return refused(replies, broken=not whole)
         replies = await each(agent_pb2.UPDATE_PHASE_COMMIT)
         if not all(r.ok for r in replies):
             return refused(replies, broken=True)
+    # Every reply carries its node's PREPARE facts: say where no rollback copy was possible.
+    no_rollback = next((f"{a}: {r.rollback_why or 'no copy kept'}"
+                        for a, r in zip(addresses, replies, strict=True) if not r.rollback), "")
     return GroupResult(True, "Updated", "", generations={
-        a: r.generation for a, r in zip(addresses, replies, strict=True)})
+        a: r.generation for a, r in zip(addresses, replies, strict=True)},
+        no_rollback=no_rollback)

@@ -524,14 +524,17 @@ class Controller:
         result = await agentupdate.update_group(list(by_address), desired["path"],
                                                 desired["revision"])
         if not result.ok:
-            message = (f"update to {target} {'failed' if result.broken else 'refused'}: "
+            outcome = ("failed" if result.broken else "rolled back"
+                       if result.reason == agentupdate.ROLLED_BACK else "refused")
+            message = (f"update to {target} {outcome}: "
                        f"{result.message}; still serving {served['path']}@{served['revision']}")
             await self.event(body, "Warning", result.reason, message)
             return served, status.Cond(False, result.reason, message), {}
         gens = {by_address[a].node: {"pod": by_address[a].name, "generation": g}
                 for a, g in result.generations.items()}
         message = (f"updated in place to {target} on {len(gens)} node(s), generation "
-                   f"{max(result.generations.values(), default=0)}")
+                   f"{max(result.generations.values(), default=0)}"
+                   + (f"; without rollback ({result.no_rollback})" if result.no_rollback else ""))
         await self.event(body, "Normal", "Updated", message)
         return dict(desired), status.Cond(False, "Updated", message), gens
 

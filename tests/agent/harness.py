@@ -33,15 +33,21 @@ def fake_vllm_bin(directory: Path) -> str:
 
 
 class Agent:
-    """One agent process with its own plan file, ports and short socket dir."""
+    """One agent process with its own plan file, ports and short socket dir.
+
+    `host` is its pod IP (it binds there): agents of several nodes on one machine listen on
+    127.0.0.1, 127.0.0.2, ... with the same `ports`, as pods of a DaemonSet do."""
 
     def __init__(self, workdir: Path, plan: dict[str, Any], *, node: str = "gpu-a",
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: list[str] | None = None,
+                 host: str = "127.0.0.1", ports: dict[str, int] | None = None) -> None:
         self.workdir = workdir
+        self.host = host
         self.sock_root = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
         self.socket_dir = str(self.sock_root / "s")
         self.ports = {"rendezvous": free_port(), "draftRendezvous": free_port(),
-                      "health": free_port(), "metrics": free_port(), "grpc": free_port()}
+                      "health": free_port(), "metrics": free_port(), "grpc": free_port(),
+                      **(ports or {})}
         plan = json.loads(json.dumps(plan))
         plan["spec"]["ports"] = self.ports
         plan["spec"]["socketDir"] = self.socket_dir
@@ -53,7 +59,7 @@ class Agent:
             "WEIGHTCACHE_CACHE_NAME": plan["cache"],
             "WEIGHTCACHE_NAMESPACE": plan["namespace"],
             "NODE_NAME": node,
-            "POD_IP": "127.0.0.1",
+            "POD_IP": host,
             "POD_NAME": f"{plan['cache']}-agent-{node}",
             "WEIGHTCACHE_PLAN": str(self.plan_path),
             **(env or {}),
@@ -99,11 +105,11 @@ class Agent:
     # -- APIs ---------------------------------------------------------------------------------
     @property
     def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
+        return f"{self.host}:{self.ports['grpc']}"
 
     @property
     def metrics_target(self) -> str:
-        return f"127.0.0.1:{self.ports['metrics']}"
+        return f"{self.host}:{self.ports['metrics']}"
 
     def stub(self) -> agent_pb2_grpc.AgentStub:
         if self._channel is None:

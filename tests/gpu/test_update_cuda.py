@@ -88,3 +88,58 @@ def test_update_adds_no_device_memory_and_keeps_pointers(models, daemon_factory,
     # 0 bytes more on the device, within the 2 MiB granularity of the driver's own bookkeeping.
     assert free_before - min(low) <= 2 << 20
     assert free_before - free_after <= 2 << 20
+
+
+def _on_device(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    ref: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        ref.update(load_file(str(f), device="cuda:0"))
+    return ref
+
+
+@pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
+def test_write_then_rollback_restores_bytes_at_the_same_addresses(models, daemon_factory,
+                                                                   transport):
+    """The rollback path on a CUDA arena: stage keeps a pinned host copy of revision A (a
+    device-to-host copy), the write puts B into the arena, the abort writes A back (one
+    host-to-device copy into the same allocation); the engine resumes unchanged. The CPU
+    twin is tests/native/test_update.py::test_abort_after_write_rolls_back_at_the_same_addresses
+    (same daemon code, memfd arena)."""
+    from weightcache.native.coordinator import GroupUpdate
+
+    a, b = models
+    d = daemon_factory(a, transport)
+    res = attach(a, device=DEV, socket_path=d.socket, fallback=False)
+    assert res.source == "cache"
+    ptrs = {n: t.data_ptr() for n, t in res.state_dict.items()}
+    resumed: list[tuple[int, bool]] = []
+    part = follow_updates(res, on_resume=lambda g, c: resumed.append((g, c)))
+    torch.cuda.synchronize(DEV)
+    free_before = torch.cuda.mem_get_info(DEV)[0]
+    group = GroupUpdate([Path(d.socket)])
+    try:
+        report = group.prepare(model=str(b))
+        assert report["rollback"] is True, report
+        group.pause()
+        group.write()
+        torch.cuda.synchronize(DEV)
+        for name, tensor in _on_device(b).items():  # written, not finished
+            assert torch.equal(res.state_dict[name], tensor), name
+        assert group.abort() is True and group.report["rolled_back"] is True
+        assert part.wait_for("resumed")
+    finally:
+        group.close()
+        part.close()
+    torch.cuda.synchronize(DEV)
+    free_after = torch.cuda.mem_get_info(DEV)[0]
+    print(json.dumps({"transport": transport, "free_before": free_before,
+                      "free_after": free_after}))
+    assert resumed == [(1, False)]
+    assert {n: t.data_ptr() for n, t in res.state_dict.items()} == ptrs
+    for name, tensor in _on_device(a).items():
+        assert torch.equal(res.state_dict[name], tensor), name
+    assert free_before - free_after <= 2 << 20  # the copy lives in host memory
+    again = attach(a, device=DEV, socket_path=d.socket, fallback=False)
+    assert again.source == "cache" and again.generation == 1

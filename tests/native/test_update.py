@@ -180,8 +180,9 @@ def test_push_from_trainer_switches_without_checkpoint(daemon, ckpt, ckpt_b, soc
     assert query(daemon, "hello")["update"]["generation"] == 2
 
 
-def _stage(sock, model: Path) -> str:
-    proto.send_frame(sock, {"cmd": "update_stage", "source": "checkpoint", "model": str(model)})
+def _stage(sock, model: Path, **fields) -> str:
+    proto.send_frame(sock, {"cmd": "update_stage", "source": "checkpoint", "model": str(model),
+                            **fields})
     reply, _ = proto.recv_frame(sock)
     assert reply["ok"], reply
     return reply["update"]
@@ -229,13 +230,49 @@ def test_protocol_phases_and_ownership(daemon, ckpt, ckpt_b, sock_dir):
     assert attach(ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
 
 
+def test_abort_after_write_rolls_back_at_the_same_addresses(daemon, ckpt, ckpt_b, sock_dir):
+    """The daemon kept a host copy of generation 1 at stage: an abort after the write (another
+    rank or node failed) writes it back into the same memory and resumes engines unchanged."""
+    res = attach(ckpt, socket_dir=sock_dir, mode="zero_copy", fallback=False)
+    ptrs = {n: t.data_ptr() for n, t in res.state_dict.items()}
+    gate, resumed = ModelGate(), []
+    part = follow_updates(res, gate=gate, on_resume=lambda g, c: resumed.append((g, c)))
+    try:
+        with raw_connect(daemon, 30) as c:
+            proto.send_frame(c, {"cmd": "update_stage", "source": "checkpoint",
+                                 "model": str(ckpt_b)})
+            staged = proto.recv_frame(c)[0]
+            assert staged["rollback"] is True and staged["rollback_why"] == ""
+            update = staged["update"]
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            assert _call(c, "update_write", update=update)["ok"]
+            assert_matches(res.state_dict, reference(ckpt_b))  # written, not yet finished
+            out = _call(c, "update_abort", update=update)
+            assert out["rolled_back"] is True and out["phase"] == "idle"
+            assert out["generation"] == 1
+        assert part.wait_for("resumed")
+    finally:
+        part.close()
+    assert resumed == [(1, False)] and not gate.closed
+    assert part.events[-1].get("rolled_back") is True
+    assert {n: t.data_ptr() for n, t in res.state_dict.items()} == ptrs
+    assert_matches(res.state_dict, reference(ckpt))
+    hello = query(daemon, "hello")["update"]
+    assert hello["phase"] == "idle" and hello["generation"] == 1 and not hello["broken"]
+    assert query(daemon, "stats")["updates"]["results"] == {"rolled_back": 1}
+    again = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    assert again.source == "cache" and again.generation == 1
+    assert_matches(again.state_dict, reference(ckpt))
+
+
 def test_abort_after_write_marks_broken_until_a_full_update(daemon, ckpt, ckpt_b, sock_dir):
+    """Without a rollback copy (`rollback: off`, or host memory did not allow it)."""
     res = attach(ckpt, socket_dir=sock_dir, fallback=False)
     broken: list[str] = []
     part = follow_updates(res, on_broken=broken.append)
     try:
         with raw_connect(daemon, 30) as c:
-            update = _stage(c, ckpt_b)
+            update = _stage(c, ckpt_b, rollback="off")
             assert _call(c, "update_pause", update=update)["paused"] == 1
             assert _call(c, "update_write", update=update)["ok"]
             assert _call(c, "update_abort", update=update)["phase"] == "broken"
@@ -246,6 +283,11 @@ def test_abort_after_write_marks_broken_until_a_full_update(daemon, ckpt, ckpt_b
             again = attach(model, socket_dir=sock_dir)
             assert again.source == "disk" and "broken" in (again.reason or "")
         assert query(daemon, "hello")["update"]["phase"] == "broken"
+        with raw_connect(daemon, 30) as c:  # a broken rank has no whole generation to keep
+            proto.send_frame(c, {"cmd": "update_stage", "source": "checkpoint",
+                                 "model": str(ckpt_b), "rollback": "require"})
+            refused = proto.recv_frame(c)[0]
+        assert refused["error"] == proto.E_NO_ROLLBACK and "broken" in refused["message"]
         code, out = update_here(sock_dir, ckpt_b)
         assert code == 0 and out["generation"] == 2
         assert part.wait_for("finish")

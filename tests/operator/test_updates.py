@@ -3,8 +3,8 @@
 The agents here are stand-ins served by grpcio on loopback (one per node, 127.0.0.1 and
 127.0.0.2) that answer the Update RPC as the real agent does (tests/agent/test_update_rpc.py
 runs the real one against real daemons). What is asserted is the operator's part: in place by
-default for runtime native, all nodes through PREPARE -> PAUSE -> COMMIT with ABORT everywhere
-on a refusal, no pod recreated, status and events; Recreate (and runtime vllm, whose
+default for runtime native, all nodes through PREPARE -> PAUSE -> WRITE -> COMMIT with ABORT
+everywhere on a refusal, no pod recreated, status and events; Recreate (and runtime vllm, whose
 weight-cache daemon has no update command in vllm/model_executor/model_loader/weight_cache/
 daemon.py of vLLM 0.33.0) restarts the group instead.
 """
@@ -120,10 +120,11 @@ async def test_revision_change_updates_in_place_node_by_node(cluster, operator, 
     assert cond["status"] == "False" and "generation 2" in cond["message"]
     assert status["model"] == {"path": "/models/b", "revision": "step-200"}
     assert [(n["generation"], n["revision"]) for n in status["nodes"]] == [(2, "step-200")] * 2
-    # One barrier: every node staged before any paused, every node paused before any wrote.
+    # One barrier: every node staged before any paused, paused before any wrote, wrote before
+    # any switched.
     for agent in (a, b):
         assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
-                               ("COMMIT", "/models/b")]
+                               ("WRITE", "/models/b"), ("COMMIT", "/models/b")]
     # In place: no agent pod recreated, the plan follows (a restarting agent loads /models/b).
     assert plan_hash(await cluster.get(ds_url("llama"))) == before_hash
     assert sorted(p["metadata"]["name"] for p in await cluster.agent_pods("llama")) == pods
@@ -235,5 +236,5 @@ async def test_plan_write_refused_after_an_update_still_reports_it(
     assert [(n["generation"], n["revision"]) for n in status["nodes"]] == [(2, "step-200")] * 2
     for agent in (a, b):  # one update, not re-sent by the next pass
         assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
-                               ("COMMIT", "/models/b")]
+                               ("WRITE", "/models/b"), ("COMMIT", "/models/b")]
     await eventually(lambda: _posted(cluster, "ApplyRejected"))

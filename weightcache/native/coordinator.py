@@ -6,10 +6,13 @@ The coordinator holds one connection per rank and moves all of them through the 
   1. stage on every rank (in parallel; engines keep serving);   any refusal -> abort all
   2. pause on every rank (begin; wait for the engines' acks);     any refusal -> abort all
   3. write on every rank (in parallel);                           any failure -> abort all,
-                                                                  which marks written ranks broken
+                                                                  which rolls written ranks back
+                                                                  (or marks them broken where no
+                                                                  copy of the old bytes was kept)
   4. finish on every rank (new generation, `finish` announced).
 
-Before step 3 an abort leaves every rank serving the old generation. Prints one JSON line:
+Before step 3 an abort leaves every rank serving the old generation; between 3 and 4 too, where
+each rank kept a host copy of its old bytes (`rollback`, docs/updates.md). Prints one JSON line:
 generation, bytes, seconds staged, seconds paused, engines paused. Exit codes: 0 updated,
 1 the update failed or was refused (the JSON has "error" and "message"), 2 bad input.
 """
@@ -70,8 +73,20 @@ class _Rank:
         self.update_id: str | None = None
         self.staged: dict[str, Any] = {}
         self.written = False
+        self.rolled_back = False  # its bytes were written and then put back
+        self.lost = False  # its connection broke: the daemon died or closed it
 
     def call(self, cmd: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
+        """One request; a broken connection is an `unavailable` reply, never an exception:
+        the daemon aborted (or rolled back) the update itself when the connection closed."""
+        try:
+            return self._call(cmd, fds, **fields)
+        except (OSError, WeightCacheError) as exc:
+            self.lost = True
+            return {"ok": False, "error": "unavailable",
+                    "message": f"daemon connection lost during {cmd}: {exc}"}
+
+    def _call(self, cmd: str, fds: list[int] | None = None, **fields: Any) -> dict[str, Any]:
         if fds:
             try:
                 protocol.send_frame(self.sock, {"cmd": cmd, **fields}, fds)
@@ -123,11 +138,16 @@ class GroupUpdate:
 
     def prepare(self, *, model: str | None = None,
                 pushes: Mapping[Any, Mapping[str, Any]] | None = None,
-                force: bool = False) -> dict[str, Any]:
-        """Stage on every rank (engines keep serving). Raises UpdateError after aborting."""
+                force: bool = False, rollback: str = "auto") -> dict[str, Any]:
+        """Stage on every rank (engines keep serving). Raises UpdateError after aborting.
+
+        `rollback` (auto, require, off): whether each rank keeps a host copy of its current
+        bytes, so that a failure after the write restores them; the report's `rollback` says
+        whether every rank did."""
         def stage(rank: _Rank) -> dict[str, Any]:
             if pushes is None:
-                return rank.call("update_stage", source="checkpoint", model=str(model))
+                return rank.call("update_stage", source="checkpoint", model=str(model),
+                                 rollback=rollback)
             key = next(k for k in pushes if Path(k) == rank.path)
             table = rank.call("get_table")
             if not table.get("ok"):
@@ -136,7 +156,7 @@ class GroupUpdate:
                 fd = arena_image(table["tensors"], table["bytes"], pushes[key])
             except ValueError as exc:
                 return {"ok": False, "error": "layout_mismatch", "message": str(exc)}
-            return rank.call("update_stage", [fd], source="push")
+            return rank.call("update_stage", [fd], source="push", rollback=rollback)
 
         with self._aborting():
             replies = _all(self.ranks, stage)
@@ -148,6 +168,9 @@ class GroupUpdate:
             self.report["source"] = "push" if pushes is not None else str(model)
             if failed := _failed(replies, self.ranks):
                 raise UpdateError(*failed, detail=_detail(replies))
+            self.report["rollback"] = all(bool(r.get("rollback")) for r in replies)
+            self.report["rollback_why"] = next(
+                (str(r["rollback_why"]) for r in replies if r.get("rollback_why")), "")
             blockers = [b for r in replies for b in r.get("blockers", [])]
             if blockers and not force:
                 pids = ", ".join(str(b["pid"]) for b in blockers)
@@ -170,19 +193,34 @@ class GroupUpdate:
                                                     for p in r.get("forced", [])})
         return self.report
 
-    def commit(self) -> dict[str, Any]:
-        """Write and finish on every rank. A failure here marks written ranks broken."""
+    def write(self) -> dict[str, Any]:
+        """Write on every rank; engines stay paused until `finish`. A failure anywhere aborts
+        every rank: written ranks roll back where they kept a copy, else are marked broken
+        (`UpdateError.broken`; `detail["rolled_back"]` says every rank serves the old bytes)."""
 
         def write(rank: _Rank) -> dict[str, Any]:
             rank.written = True  # whatever happens next, this rank's bytes may have changed
-            return rank.call("update_write", update=rank.update_id)
+            reply = rank.call("update_write", update=rank.update_id)
+            if not reply.get("ok"):  # the rank rolled back, is broken, or is gone
+                rank.update_id = None
+                rank.rolled_back = reply.get("error") == "rolled_back"
+            return reply
 
         with self._aborting():
             replies = _all(self.ranks, write)
             if failed := _failed(replies, self.ranks):
-                raise UpdateError(*failed, broken=True)
+                whole = self.abort()
+                raise UpdateError(*failed, broken=not whole, detail={"rolled_back": whole})
             self.report["seconds_write"] = round(
                 max(float(r.get("seconds", 0)) for r in replies), 6)
+        return self.report
+
+    def commit(self) -> dict[str, Any]:
+        """Write (unless `write` ran) and finish on every rank. After the first rank finished
+        nothing can be undone: a failure then marks the group broken."""
+        if not all(r.written for r in self.ranks):
+            self.write()
+        with self._aborting():
             replies = _all(self.ranks, lambda r: r.call("update_finish", update=r.update_id))
             if failed := _failed(replies, self.ranks):
                 raise UpdateError(*failed, broken=True)
@@ -196,13 +234,20 @@ class GroupUpdate:
         )
         return self.report
 
-    def abort(self) -> None:
-        """Nothing switches (before commit), or written ranks are marked broken (after)."""
+    def abort(self) -> bool:
+        """Nothing switches (before the write); after it, written ranks roll back (or are
+        marked broken where no copy was kept). True when no rank is left broken: every written
+        rank rolled back, or its daemon is gone (a restarted daemon loads from disk)."""
         for rank in self.ranks:
             if rank.update_id is not None:
+                reply: dict[str, Any] = {}
                 with contextlib.suppress(Exception):
-                    rank.call("update_abort", update=rank.update_id)
+                    reply = rank.call("update_abort", update=rank.update_id)
+                rank.rolled_back = rank.rolled_back or bool(reply.get("rolled_back"))
                 rank.update_id = None
+        whole = all(r.rolled_back or r.lost or not r.written for r in self.ranks)
+        self.report["rolled_back"] = whole and any(r.rolled_back for r in self.ranks)
+        return whole
 
     @contextlib.contextmanager
     def _aborting(self):

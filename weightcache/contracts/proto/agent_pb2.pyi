@@ -17,6 +17,7 @@ class UpdatePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_PHASE_PAUSE: _ClassVar[UpdatePhase]
     UPDATE_PHASE_COMMIT: _ClassVar[UpdatePhase]
     UPDATE_PHASE_ABORT: _ClassVar[UpdatePhase]
+    UPDATE_PHASE_WRITE: _ClassVar[UpdatePhase]
 
 class RankState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ UPDATE_PHASE_PREPARE: UpdatePhase
 UPDATE_PHASE_PAUSE: UpdatePhase
 UPDATE_PHASE_COMMIT: UpdatePhase
 UPDATE_PHASE_ABORT: UpdatePhase
+UPDATE_PHASE_WRITE: UpdatePhase
 RANK_STATE_UNSPECIFIED: RankState
 RANK_STATE_PENDING: RankState
 RANK_STATE_LOADING: RankState
@@ -167,7 +169,7 @@ class UpdateRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., revision: _Optional[str] = ..., force: _Optional[bool] = ..., pause_deadline_seconds: _Optional[float] = ..., phase: _Optional[_Union[UpdatePhase, str]] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
-    __slots__ = ("ok", "error", "message", "generation", "revision", "bytes", "seconds_staged", "seconds_paused", "engines_paused", "broken", "tensors")
+    __slots__ = ("ok", "error", "message", "generation", "revision", "bytes", "seconds_staged", "seconds_paused", "engines_paused", "broken", "tensors", "rollback", "rollback_why", "rolled_back")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,9 @@ class UpdateResponse(_message.Message):
     ENGINES_PAUSED_FIELD_NUMBER: _ClassVar[int]
     BROKEN_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_WHY_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     message: str
@@ -190,4 +195,7 @@ class UpdateResponse(_message.Message):
     engines_paused: int
     broken: bool
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ..., revision: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds_staged: _Optional[float] = ..., seconds_paused: _Optional[float] = ..., engines_paused: _Optional[int] = ..., broken: _Optional[bool] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    rollback: bool
+    rollback_why: str
+    rolled_back: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., generation: _Optional[int] = ..., revision: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds_staged: _Optional[float] = ..., seconds_paused: _Optional[float] = ..., engines_paused: _Optional[int] = ..., broken: _Optional[bool] = ..., tensors: _Optional[_Iterable[str]] = ..., rollback: _Optional[bool] = ..., rollback_why: _Optional[str] = ..., rolled_back: _Optional[bool] = ...) -> None: ...

@@ -16,7 +16,15 @@ ranks of a group together by a coordinator (`weightcache update`, `native/coordi
                  device allocation). From the first byte on, failing means broken.
   update_finish  the new fingerprint and generation become the rank's; `finish` is announced.
   update_abort   before the write: drop staging, resume engines on the old generation;
-                 after it: mark the rank broken and tell engines (never silently torn).
+                 after it: write the previous generation back (rollback) when a copy of it
+                 was kept, else mark the rank broken and tell engines (never silently torn).
+
+Rollback: staging keeps a host copy of the bytes served now (the arena's size again, pinned
+on CUDA) where host memory allows, so that a failure after the write, on this rank or on any
+other rank or node of the group, puts every rank back on the old generation at the same
+addresses instead of leaving it broken. Where memory does not allow, the update proceeds
+without it and says so (`rollback: false`, `rollback_why`), unless the coordinator asked for
+`rollback: "require"`, which is refused at stage (`no_rollback`).
 
 The update belongs to the connection that staged it: if that connection goes away, the update
 is aborted as by `update_abort`, so a dead coordinator never leaves engines paused.
@@ -37,6 +45,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -84,6 +93,9 @@ CONTENT = "content"  # the fingerprint field of the exact content identity (nati
 DIGEST_CHUNK = 64 << 20
 # A participant that does not read its events within this long is dropped (never blocks us).
 PARTICIPANT_SEND_TIMEOUT_S = 5.0
+# Host memory a rollback copy must leave free (so the copy never pushes the node into OOM).
+ROLLBACK_RESERVE_BYTES = 512 << 20
+ROLLBACK_MODES = ("auto", "require", "off")
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,8 @@ class Staged:
     paused_at: float | None = None
     paused: int = 0
     forced: list[int] = field(default_factory=list)
+    previous: torch.Tensor | None = None  # host copy of the generation served before the write
+    rollback_why: str = ""  # why no copy was kept
 
 
 class _Histogram:
@@ -197,6 +211,26 @@ def _sha256(buf: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(b"".join(parts)).hexdigest()
 
 
+def host_memory_available() -> int | None:
+    """Bytes this process may still take: MemAvailable, capped by its cgroup v2 limit.
+
+    The cgroup matters in a pod: the node may have memory to spare while the container's
+    limit is nearly reached, and exceeding it gets the daemon OOM-killed mid-update."""
+    avail: int | None = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        rel = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((group / "memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    return avail
+
+
 def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
     """Host staging; page-locked for a CUDA arena, so the paused copy runs at the link's speed.
 
@@ -214,6 +248,16 @@ def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     weakref.finalize(buf, runtime.cudaHostUnregister, ptr)  # before the memory is freed
     return buf
+
+
+def _write_arena(arena: Arena, src: torch.Tensor) -> None:
+    """Copy host bytes into the arena's own memory (so every address stays) and wait for it:
+    memfd through the daemon's writable mapping, CUDA one host-to-device copy."""
+    dst = arena.tensor()[: src.numel()]
+    dst.copy_(src, non_blocking=True)
+    if dst.is_cuda:
+        torch.cuda.synchronize(dst.device)
+    del dst
 
 
 class RankUpdater:
@@ -355,7 +399,7 @@ class RankUpdater:
                 if cmd == "update_abort":
                     return self._abort(staged, "aborted by the coordinator")
         except UpdateError as exc:
-            if cmd != "update_stage":
+            if cmd != "update_stage" and exc.code not in (proto.E_BROKEN, proto.E_ROLLED_BACK):
                 self._count("refused" if exc.code != proto.E_PAUSE_TIMEOUT else "timeout")
             return _refusal(exc)
         finally:
@@ -396,6 +440,7 @@ class RankUpdater:
             self.staged = Staged("", conn, torch.empty(0, dtype=torch.uint8), {}, "", "", 0, "")
         try:
             staged = self._read(conn, req, fds)
+            self._keep_previous(staged, req.get("rollback", "auto"))
         except BaseException:
             with self._lock:
                 self.staged = None
@@ -410,7 +455,8 @@ class RankUpdater:
                         next_generation=self.generation + 1, bytes=staged.buffer.numel(),
                         seconds=round(staged.seconds, 6), digest=staged.digest,
                         fingerprint=staged.fingerprint,
-                        blockers=self._locked(self._blockers))
+                        blockers=self._locked(self._blockers),
+                        rollback=staged.previous is not None, rollback_why=staged.rollback_why)
 
     def _locked(self, fn: Any) -> Any:
         with self._lock:
@@ -476,6 +522,44 @@ class RankUpdater:
             raise UpdateError(proto.E_BAD_REQUEST, f"unknown update source {source!r}")
         return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
                       time.monotonic() - t0, digest, record)
+
+    def _keep_previous(self, staged: Staged, mode: Any) -> None:
+        """Copy the bytes served now to host memory, so a failure after the write can undo it.
+
+        Taken while engines keep serving (nothing writes the arena before `update_write`, and
+        the reserved slot keeps any other update out). Costs the arena's size in host memory
+        (pinned on CUDA) from stage to finish, on top of staging: 2x the arena per rank."""
+        if mode not in ROLLBACK_MODES:
+            raise UpdateError(proto.E_BAD_REQUEST, f"rollback must be one of {ROLLBACK_MODES}")
+        if mode == "off":
+            staged.rollback_why = "no rollback copy requested"
+            return
+        nbytes = staged.buffer.numel()
+        with self._lock:
+            broken, arena = self.phase == BROKEN, self.server.arena
+        if arena is None:
+            raise UpdateError(proto.E_RELEASED, "the cache was released")
+        avail = host_memory_available()
+        if broken:
+            why = "the rank is broken: there is no whole generation to roll back to"
+        elif avail is not None and avail < nbytes + ROLLBACK_RESERVE_BYTES:
+            why = (f"host memory: a rollback copy needs {nbytes} bytes plus "
+                   f"{ROLLBACK_RESERVE_BYTES} spare, {avail} available")
+        else:
+            why = ""
+        if why and mode == "require":
+            raise UpdateError(proto.E_NO_ROLLBACK, f"no rollback copy possible ({why})")
+        if why:
+            staged.rollback_why = why
+            log.warning("rank %d: update without rollback: %s", self.server.rank, why)
+            return
+        previous = _staging(nbytes, self.server.device)
+        src = arena.tensor()[:nbytes]
+        previous.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+        del src
+        staged.previous = previous
 
     def _read_push(self, fd: int) -> torch.Tensor:
         """Copy a pushed memfd (the rank's arena image) into staging; never map it writable."""
@@ -546,16 +630,16 @@ class RankUpdater:
         arena = self.server.arena
         if arena is None:
             raise UpdateError(proto.E_RELEASED, "the cache was released")
-        self.phase = WRITTEN  # from here on, a failure leaves the arena torn: broken
+        self.phase = WRITTEN  # from here on, a failure tears the arena: roll back, or broken
         t0 = time.monotonic()
         try:
-            dst = arena.tensor()[: staged.buffer.numel()]
-            dst.copy_(staged.buffer, non_blocking=True)
-            if dst.is_cuda:
-                torch.cuda.synchronize(dst.device)
-            del dst
+            _write_arena(arena, staged.buffer)
         except Exception as exc:
-            self._mark_broken(f"write failed: {type(exc).__name__}: {exc}")
+            why = f"write failed: {type(exc).__name__}: {exc}"
+            if self._roll_back(staged, why):
+                raise UpdateError(proto.E_ROLLED_BACK, f"{why}; the previous generation was "
+                                  "written back", detail={"rolled_back": True}) from None
+            self._mark_broken(why)
             self._count("failed")
             raise UpdateError(proto.E_BROKEN, f"write failed, cache marked broken: {exc}") from None
         return proto.ok(update=staged.update_id, seconds=round(time.monotonic() - t0, 6))
@@ -583,6 +667,9 @@ class RankUpdater:
         return {"checkpoint": f.get("checkpoint"), CONTENT: f.get(CONTENT)}
 
     def _abort(self, staged: Staged, why: str) -> dict[str, Any]:
+        if self.phase == WRITTEN and self._roll_back(staged, why):
+            return proto.ok(aborted=True, rolled_back=True, phase=self.phase,
+                            generation=self.generation)
         if self.phase == WRITTEN:
             self._mark_broken(f"update aborted after the write began: {why}")
             self._count("failed")
@@ -598,10 +685,33 @@ class RankUpdater:
         self._changed.notify_all()
         return proto.ok(aborted=True, phase=self.phase, generation=self.generation)
 
-    def _resume(self, staged: Staged, *, changed: bool) -> None:
+    def _roll_back(self, staged: Staged, why: str) -> bool:
+        """Write the kept previous generation back into the same memory (same addresses) and
+        resume engines on it, unchanged; False when no copy was kept or the copy-back failed
+        (the caller then marks the rank broken)."""
+        arena = self.server.arena
+        if staged.previous is None or arena is None:
+            return False
+        try:
+            _write_arena(arena, staged.previous)
+        except Exception as exc:
+            log.error("rank %d: rollback failed: %s: %s", self.server.rank,
+                      type(exc).__name__, exc)
+            return False
+        self.phase = IDLE
+        self.staged = None
+        self._resume(staged, changed=False, rolled_back=True)
+        self._count("rolled_back")
+        log.warning("rank %d rolled back to generation %d (%s)", self.server.rank,
+                    self.generation, why)
+        return True
+
+    def _resume(self, staged: Staged, *, changed: bool, rolled_back: bool = False) -> None:
         event: dict[str, Any] = {"event": "finish" if changed else "resumed",
                                  "update": staged.update_id, "generation": self.generation,
                                  "changed": changed}
+        if rolled_back:
+            event["rolled_back"] = True
         if changed:
             event["identity"] = self._identity()
             self.phase = IDLE

@@ -46,6 +46,8 @@ E_UPDATE_STATE = "update_state"
 E_PAUSE_TIMEOUT = "pause_timeout"
 E_UNPAUSABLE = "unpausable_engine"
 E_BROKEN = "broken"
+E_ROLLED_BACK = "rolled_back"  # the write failed and the previous bytes were restored
+E_NO_ROLLBACK = "no_rollback"  # a rollback copy was required and host memory does not allow it
 ERROR_CODES = frozenset(
     {
         E_BAD_FRAME,
@@ -64,6 +66,8 @@ ERROR_CODES = frozenset(
         E_PAUSE_TIMEOUT,
         E_UNPAUSABLE,
         E_BROKEN,
+        E_ROLLED_BACK,
+        E_NO_ROLLBACK,
     }
 )
 COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
