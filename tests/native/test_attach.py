@@ -295,3 +295,39 @@ def test_unusual_tensors_round_trip_through_the_layout(tmp_path):
         assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
         raw = got[name].reshape(-1).view(torch.uint8)
         assert torch.equal(raw, want.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def test_the_fingerprint_names_the_served_dtype_not_the_requested_one(served, ckpt):
+    """`auto` and an explicit dtype equal to the checkpoint's serve the same bytes (a hit);
+    another dtype is a miss that says what each side serves."""
+    sockets, _ = served
+    same = attach(ckpt, socket_dir=sockets, dtype="bfloat16", fallback=False)
+    assert same.source == "cache"
+    assert all(t.dtype == torch.bfloat16 for t in same.state_dict.values())
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(ckpt, socket_dir=sockets, dtype="float16", fallback=False)
+    assert info.value.fields == ["dtype"]
+    assert "the cache serves bfloat16, this load asks for float16" in str(info.value)
+
+
+def test_a_mixed_dtype_checkpoint_served_as_stored(preload, sock_dir, tmp_path):
+    """`auto` on bf16 weights with f32 norms serves each tensor as stored: only a request
+    that serves the same mix (auto) matches; bfloat16 or float32 would convert some bytes."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "mixed"
+    model.mkdir()
+    gen = torch.Generator().manual_seed(7)
+    save_file({"w": torch.randn(8, 8, generator=gen).to(torch.bfloat16),
+               "norm": torch.randn(8, generator=gen), "ids": torch.arange(4)},
+              str(model / "model.safetensors"))
+    preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    hit = attach(model, socket_dir=sock_dir, fallback=False)
+    assert hit.source == "cache"
+    assert (hit.state_dict["w"].dtype, hit.state_dict["norm"].dtype) == (torch.bfloat16,
+                                                                         torch.float32)
+    for dtype in ("bfloat16", "float32"):
+        with pytest.raises(FingerprintMismatchError) as info:
+            attach(model, socket_dir=sock_dir, dtype=dtype, fallback=False)
+        assert info.value.fields == ["dtype"]
+        assert f"serves BF16:bfloat16,F32:float32, this load asks for {dtype}" in str(info.value)

@@ -238,14 +238,11 @@ class RankServer:
         """Identity check, then the table and the arena's fds (under the updater's lock)."""
         fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
         if fields:
-            self.stats.mismatch(fields)
-            why = ""
-            if "content" in fields:
-                why = f" ({content_mod.verify_claim(self.content, expected.get('content'))})"
+            self.stats.mismatch(list(fields))
             return proto.error(
                 proto.E_FINGERPRINT_MISMATCH,
-                f"cached shard differs in: {', '.join(fields)}{why}",
-                fields=fields,
+                f"cached shard differs in: {fp.describe(fields)}",
+                fields=list(fields),
             ), []
         with self._state_lock:
             if self.arena is None:

@@ -20,7 +20,7 @@ import torch
 from weightcache.errors import ProjectError
 
 from .checkpoint import Checkpoint, TensorInfo
-from .coldload import load_layout  # CUDA: pinned, multi-threaded reads + async H2D copies
+from .coldload import copy_entry, load_layout  # CUDA: pinned, multi-threaded reads + H2D
 from .sharding import ShardRule, ShardSpec, plan_shard
 from .transport.base import ARENA_ALIGN, align_up
 
@@ -133,13 +133,6 @@ def plan_layout(
     return ArenaLayout(entries, aliases, align_up(offset, ARENA_ALIGN))
 
 
-def _source_view(filemap: mmap.mmap, info: TensorInfo) -> torch.Tensor:
-    raw = torch.frombuffer(filemap, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-    if info.offset % info.itemsize:
-        raw = raw.clone()  # unaligned in the file: view(dtype) needs aligned storage
-    return raw.view(info.dtype).view(info.shape)
-
-
 def load_into_arena(
     layout: ArenaLayout,
     flat: torch.Tensor,
@@ -170,12 +163,11 @@ def load_into_arena(
             for entry in entries:
                 if entry.nbytes == 0:
                     continue
-                src = _source_view(filemap, entry.source)
-                if entry.spec.dim is not None:
-                    src = src.narrow(entry.spec.dim, entry.spec.start, entry.spec.length)
-                dst = flat[entry.offset : entry.offset + entry.nbytes]
-                dst.view(entry.dtype).view(entry.spec.shape).copy_(src)
-                del src, dst
+                info = entry.source
+                raw = torch.frombuffer(filemap, dtype=torch.uint8, count=info.nbytes,
+                                       offset=info.offset)
+                copy_entry(raw, entry, flat[entry.offset : entry.offset + entry.nbytes])
+                del raw
                 if progress is not None:
                     progress(entry.nbytes)
         finally:
