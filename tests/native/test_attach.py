@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -331,3 +332,43 @@ def test_a_mixed_dtype_checkpoint_served_as_stored(preload, sock_dir, tmp_path):
             attach(model, socket_dir=sock_dir, dtype=dtype, fallback=False)
         assert info.value.fields == ["dtype"]
         assert f"serves BF16:bfloat16,F32:float32, this load asks for {dtype}" in str(info.value)
+
+
+FALLBACK_UNDER_RLIMIT = r"""
+import json, resource, sys
+import torch
+from weightcache import client
+vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:"))
+limit = vm * 1024 + 256 * 2**20  # what is mapped now + 256 MiB: the 2 GiB arena cannot fit
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+try:
+    client.attach(sys.argv[1], socket_dir=sys.argv[2], fallback=True)
+except Exception as exc:
+    fallback = isinstance(exc, getattr(client, "DiskFallbackError", ()))
+    print(json.dumps({"type": type(exc).__name__, "fallback": fallback,
+                      "reason": getattr(exc, "reason", None),
+                      "cache_reason": getattr(exc, "cache_reason", None),
+                      "cause": type(exc.__cause__).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_failing_disk_fallback_raises_one_documented_error(tmp_path, sock_dir):
+    """No daemon (the cache says `unavailable`), then the disk path runs out of address space
+    (a real RLIMIT_AS in a child): a DiskFallbackError, the torch error as its cause and the
+    cache's reason kept; not torch's RuntimeError."""
+    model = tmp_path / "big"
+    model.mkdir()
+    nbytes = 2 * 2**30
+    header = json.dumps({"w": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}})
+    header += " " * (-len(header) % 8)
+    with open(model / "model.safetensors", "wb") as fh:  # sparse: no disk for the data
+        fh.write(struct.pack("<Q", len(header)) + header.encode())
+        fh.truncate(8 + len(header) + nbytes)
+    out = subprocess.run([sys.executable, "-P", "-c", FALLBACK_UNDER_RLIMIT, str(model),
+                          str(sock_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["fallback"] and got["reason"] == "disk_fallback", got
+    assert got["cache_reason"].startswith("unavailable: "), got
+    assert got["cause"] in ("RuntimeError", "MemoryError", "OSError"), got
+    assert "from the cache (unavailable: " in got["message"] and "nor from disk" in got["message"]

@@ -66,6 +66,21 @@ class DaemonError(WeightCacheError):
         self.reason = code
 
 
+class DiskFallbackError(WeightCacheError):
+    """The cache could not serve a load and the disk fallback failed too.
+
+    With fallback on, this is the one error a load raises once the cache has said no: the
+    disk's own error (out of memory, a file that cannot be read...) is its `__cause__`, and
+    `cache_reason` keeps why the cache path was left ("protocol: ...", "unavailable: ...").
+    """
+
+    reason = "disk_fallback"
+
+    def __init__(self, message: str, cache_reason: str) -> None:
+        super().__init__(message)
+        self.cache_reason = cache_reason
+
+
 class UpdateError(ProjectError):
     """An in-place update did not happen, or (`broken`) could not be kept whole.
 
