@@ -25,6 +25,10 @@ class DaemonUnavailableError(WeightCacheError):
     reason = "unavailable"
 
 
+class DaemonTimeoutError(DaemonUnavailableError):
+    """Connected, but the daemon did not answer in time (stopped, hung, or very busy)."""
+
+
 class DaemonLoadingError(DaemonUnavailableError):
     """No socket yet, but a daemon holds its lock: it is loading (see `presence.py`)."""
 
