@@ -261,8 +261,13 @@ class RankServer:
         The reply says what was actually freed: `released` is the daemon's reference
         (bytes); `still_mapped` is how much engines that attached zero_copy may keep mapped
         (all of it when any did: the daemon cannot see their mappings end), so `freed` is
-        true only when no zero_copy engine ever attached.
+        true only when no zero_copy engine ever attached. Refused while an update writes.
         """
+        if self.updates is None:
+            return self._release()
+        return self.updates.release(self._release)
+
+    def _release(self) -> tuple[dict[str, Any], list[int]]:
         with self._state_lock:
             if self.arena is None:
                 return proto.ok(released=0, still_mapped=self.released_bytes, freed=False), []

@@ -281,6 +281,18 @@ class RankUpdater:
                 self._note_attach(pid, mode)
             return reply, fds
 
+    def release(
+        self, drop: Callable[[], tuple[dict[str, Any], list[int]]]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """`release` as one step against updates: refused (busy) while an update pauses
+        engines or writes the arena, so a write never lands in an arena being freed and a
+        pause is never left waiting for a rank that dropped its weights."""
+        with self._lock:
+            if self.phase in (PAUSED, WRITTEN):
+                return proto.error(
+                    proto.E_BUSY, f"an update is {self.phase} on this rank: release after it"), []
+            return drop()
+
     def _note_attach(self, pid: int, mode: Any) -> None:
         """An engine mapped the arena (old clients send no mode: counted as zero_copy)."""
         self._attached[pid] = "copy" if mode == "copy" else "zero_copy"
@@ -312,6 +324,8 @@ class RankUpdater:
             hello = proto.ok(watching=True, rank=self.server.rank, generation=self.generation,
                              phase=self.phase)
             part.send(hello)
+            if self.phase == BROKEN:  # a late registrant is told as the others were
+                part.send(self._broken_event())
         try:
             conn.settimeout(PARTICIPANT_SEND_TIMEOUT_S)  # bounds our sends to it
             while not self.server.stopping.is_set():
@@ -608,5 +622,8 @@ class RankUpdater:
         self.broken_reason = why
         self.staged = None
         log.error("rank %d cache broken: %s", self.server.rank, why)
-        self._broadcast({"event": "broken", "generation": self.generation, "message": why})
+        self._broadcast(self._broken_event())
         self._changed.notify_all()
+
+    def _broken_event(self) -> dict[str, Any]:
+        return {"event": "broken", "generation": self.generation, "message": self.broken_reason}
