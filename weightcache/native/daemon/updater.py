@@ -48,6 +48,7 @@ from ..shared.errors import UpdateError
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
+from .histogram import Histogram
 
 if TYPE_CHECKING:
     from ..shared.transport import Arena
@@ -138,27 +139,6 @@ class Staged:
     forced: list[int] = field(default_factory=list)
 
 
-class _Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * len(BUCKETS)
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.count += 1
-        self.sum += seconds
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
-                self.counts[i] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "buckets": [[b, c] for b, c in zip(BUCKETS, self.counts, strict=True)]
-            + [["+Inf", self.count]],
-            "sum": self.sum,
-            "count": self.count,
-        }
-
-
 def layout_differences(
     old_table: list[dict[str, Any]], old_aliases: dict[str, str], new: ArenaLayout
 ) -> list[str]:
@@ -232,8 +212,8 @@ class RankUpdater:
         self._participants: dict[int, Participant] = {}
         self._attached: dict[int, str] = {}  # pid -> mode of engines that mapped the arena
         self.results: dict[str, int] = {}
-        self.update_seconds = _Histogram()
-        self.pause_seconds = _Histogram()
+        self.update_seconds = Histogram(BUCKETS)
+        self.pause_seconds = Histogram(BUCKETS)
 
     # -- facts for other commands ----------------------------------------------------------
     def info(self) -> dict[str, Any]:
