@@ -11,7 +11,6 @@ setuid()s to another uid and answers every frame with a plausible `ok` reply.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,10 +22,10 @@ import pytest
 
 from weightcache.agent.runtimes.base import RankSpec
 from weightcache.agent.runtimes.native import NativeRuntime
-from weightcache.native.shared.connection import connect, query
+from weightcache.native.shared.connection import connect
 from weightcache.native.shared.errors import CacheSecurityError
 
-from .test_liveness import wait_for
+from .test_liveness import serving_with_health, wait_for
 
 STRANGER = 4242
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
@@ -74,13 +73,8 @@ def swap_in_stranger(sock_dir: Path, name: str) -> tuple[Path, subprocess.Popen]
 
 
 def test_the_launcher_does_not_believe_a_stranger_for_a_stopped_rank(ckpt, sock_dir, preload):
-    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
-                "--weight-cache-health-port", "0")
-    ready = p.wait_ready(120)
-    url = json.loads(next(ln for ln in p.lines if ln.startswith("HEALTH "))[7:])["url"]
-    wait_for(url, 200)
-    path = Path(ready["sockets"][0])
-    pid = query(path, "hello")["pid"]
+    url, sock, pid = serving_with_health(ckpt, sock_dir, preload)
+    path = Path(sock)
     real, listener = swap_in_stranger(sock_dir, path.name)
     os.kill(pid, signal.SIGSTOP)
     try:
