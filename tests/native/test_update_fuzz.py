@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -64,6 +65,10 @@ def world(tmp_path_factory):
     p = Preload(["--model", str(a), "--weight-cache-socket-dir", str(sockets)])
     try:
         p.wait_ready(120)
+        # Hundreds of updates log hundreds of lines: drain them, or the daemon blocks writing
+        # its log into a full pipe (while it holds its update lock).
+        for stream in (p.proc.stdout, p.proc.stderr):
+            threading.Thread(target=lambda s=stream: [None for _ in s], daemon=True).start()
         yield {"a": a, "b": b, "other": other, "sockets": sockets,
                "path": socket_path(sockets, cpu_identity(0)), "refs": {}}
     finally:
