@@ -13,6 +13,8 @@ from a foreign uid (SO_PEERCRED). After every case, with every connection closed
 - an idle rank serves exactly the bytes of the model it says it serves (never torn);
 - a full update afterwards brings it back (so the next case starts clean).
 
+Engines also register at any point of a case (a late registrant of a broken rank is told).
+
 Example counts: the "ci" profile (a few dozen cases) or HYPOTHESIS_PROFILE=fuzz (`make fuzz`).
 """
 
@@ -101,6 +103,7 @@ def test_update_protocol_fuzz(world):
             self.gate = ModelGate()
             self.told: list[str] = []
             self.part = follow_updates(self.res, gate=self.gate, on_broken=self.told.append)
+            self.late: list = []  # engines that registered during the case
 
         @staticmethod
         def _serves() -> str:
@@ -180,6 +183,15 @@ def test_update_protocol_fuzz(world):
         def close_connection(self, i) -> None:
             self.conns.pop(i % len(self.conns)).close()
 
+        @precondition(lambda self: len(self.late) < 2)
+        @rule()
+        def register(self) -> None:
+            """Another engine registers for updates now, whatever the phase."""
+            try:
+                self.late.append(follow_updates(self.res, on_broken=self.told.append))
+            except Exception as exc:  # refused mid-update is fine; never a hang or a crash
+                assert "busy" in str(exc) or "update" in str(exc), exc
+
         @rule(cmd=st.sampled_from(COMMANDS), data=st.data())
         def foreign_uid(self, cmd, data) -> None:
             update = self._id(data)
@@ -209,7 +221,8 @@ def test_update_protocol_fuzz(world):
                 STATS["failures"] += 1
                 raise
             finally:
-                self.part.close()
+                for part in (self.part, *self.late):
+                    part.close()
 
         def _settle(self) -> None:
             deadline = time.monotonic() + 60
@@ -219,7 +232,8 @@ def test_update_protocol_fuzz(world):
                 time.sleep(0.02)
             if phase == "broken":
                 STATS["broken"] += 1
-                assert self.part.wait_for("broken", timeout=30), "broken, engine not told"
+                for part in (self.part, *self.late):
+                    assert part.wait_for("broken", timeout=30), "broken, an engine not told"
                 again = attach(W["a"], socket_dir=W["sockets"])
                 assert again.source == "disk" and "broken" in (again.reason or "")
             else:
