@@ -18,7 +18,8 @@ MAX_NODES visits, MAX_DEPTH levels, shared references counted every time) before
 reads it, and only a `str` message, cut to MAX_MESSAGE characters, is ever formatted.
 
 Requests go only to sockets that `socket_is_ours` accepts (our uid, our private directory,
-no symlinks). The request bytes are constant pickles of plain dicts built here.
+no symlinks), over the checked connect of weightcache.native.shared.connection (the peer's uid
+by SO_PEERCRED as it connects). The request bytes are constant pickles of plain dicts built here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import time
 from typing import Any
 
 from weightcache.errors import ProjectError
+from weightcache.native.shared.connection import connect
+from weightcache.native.shared.errors import WeightCacheError
 
 _LEN = struct.Struct("!Q")
 MAX_REPLY_BYTES = 64 * 1024
@@ -133,10 +136,11 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 def _exchange(path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
     deadline = time.monotonic() + timeout
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:  # the checked connect every daemon client uses (directory, file, SO_PEERCRED)
+        sock = connect(path, timeout=timeout)
+    except WeightCacheError as exc:
+        raise ProbeError(f"{cmd} on {path}: {exc}") from exc
     try:
-        sock.settimeout(timeout)
-        sock.connect(path)
         payload = _REQUESTS[cmd]
         sock.sendall(_LEN.pack(len(payload)) + payload)
         (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))

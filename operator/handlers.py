@@ -366,9 +366,12 @@ class Controller:
     async def _recreate_on_new_model(self, run: Pass) -> None:
         """The model revision the group serves trails spec.model until an in-place update of
         it succeeded; with updateStrategy Recreate (always for vllm) the group restarts on
-        the new one at once."""
+        the new one at once. On runtime native the plan hash leaves the model out (so that a
+        change of updateStrategy alone restarts nothing): the restart is a new epoch."""
         if run.served == run.desired or run.spec.update_type != "Recreate":
             return
+        if run.spec.runtime == "native":
+            run.epoch += 1
         note = (
             "runtime vllm cannot update in place (vLLM's weight-cache daemon has no update "
             "command); recreating the group on the new revision"
@@ -413,6 +416,8 @@ class Controller:
     async def _update_model(self, run: Pass) -> None:
         """Move the group to spec.model in place; once it serves it, rewrite the plan."""
         if run.served == run.desired:
+            if run.update_cond is None:
+                run.update_cond = self._nothing_to_update(run)
             return
         run.served, run.update_cond, updated = await self._update_in_place(
             run.body, run.previous, run.spec, run.desired, run.served, run.current, run.ranks)
@@ -492,6 +497,19 @@ class Controller:
         await self._finish(run.body, run.key, run.previous, new, run.labels_by_node,
                            ready_nodes=ready_nodes)
         return new["phase"]
+
+    @staticmethod
+    def _nothing_to_update(run: Pass) -> status.Cond | None:
+        """spec.model is the served revision again (a refused target reverted): the refusal
+        is history, not the state of the cache. None carries an Updated/Recreated one."""
+        old = next((c for c in run.previous.get("conditions") or ()
+                    if c.get("type") == status.UPDATING), None)
+        if old is None or old.get("reason") in ("Updated", "Recreated", "Serving"):
+            return None
+        served = f"{run.served['path']}@{run.served['revision']}"
+        return status.Cond(False, "Serving",
+                           f"spec.model is {served}, the revision the group serves: "
+                           f"nothing to update (was {old.get('reason')})")
 
     async def _update_in_place(
         self,

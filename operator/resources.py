@@ -138,13 +138,16 @@ def plan(
 def plan_hash(doc: Plan) -> str:
     """Hash of what the agent pods must be recreated for (the DaemonSet template carries it).
 
-    The update strategy never restarts pods by itself, and with InPlace updates on runtime
-    native neither does a new model path or revision: those reach the daemons through the
-    agents' Update RPC, and the plan ConfigMap follows once the update succeeded."""
+    The update strategy never restarts pods by itself, so nothing that depends on it is
+    hashed: on runtime native (the one that can update in place) the model path and revision
+    are left out whatever the strategy says. With InPlace they reach the daemons through the
+    agents' Update RPC and the plan ConfigMap follows once the update succeeded; with
+    Recreate the operator restarts the group under a new epoch (the template's other
+    annotation). Runtime vllm always recreates: there the path and revision are hashed."""
     view = json.loads(doc.to_json())
     document = view["spec"]
     document.pop("updateStrategy", None)
-    if doc.spec.update_type == "InPlace":
+    if doc.spec.runtime == "native":
         for key in ("path", "revision"):
             document["model"].pop(key, None)
     canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))

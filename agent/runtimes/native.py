@@ -26,7 +26,8 @@ from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, http_json,
 from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
 from weightcache.contracts.vocabulary import DTYPES, ROLE_TARGET
 from weightcache.native.daemon.lifetime import python_module
-from weightcache.native.shared import protocol
+from weightcache.native.shared.connection import PROBE_FRAME, connect, query, request
+from weightcache.native.shared.errors import DaemonTimeoutError, WeightCacheError
 from weightcache.native.shared.identity import socket_path as native_socket_path
 
 
@@ -140,12 +141,13 @@ class NativeRuntime(Runtime):
         return out
 
     def _request(self, path: str, cmd: str, timeout: float) -> tuple[socket.socket, dict[str, Any]]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        """One request over the checked connect (directory, socket file and the daemon's uid
+        by SO_PEERCRED): `socket_is_ours` before it is a check of the path, this one holds at
+        the moment of connecting. WeightCacheError when it fails."""
+        deadline = time.monotonic() + timeout
+        sock = connect(path, timeout=timeout)
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            protocol.send_frame(sock, {"cmd": cmd})
-            reply, _ = protocol.recv_frame(sock, max_frame=1 << 20)
+            reply, _ = request(sock, cmd, max_frame=PROBE_FRAME, deadline=deadline)
         except BaseException:
             sock.close()
             raise
@@ -162,7 +164,7 @@ class NativeRuntime(Runtime):
                 return Probe(ok=False, error=f"get_memory: {mem.get('error')}")
             sock, stats = self._request(rank.socket_path, "stats", timeout)
             sock.close()
-        except (OSError, protocol.ProtocolError) as exc:
+        except WeightCacheError as exc:
             return Probe(ok=False, error=str(exc))
         nbytes = mem.get("bytes")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
@@ -176,16 +178,11 @@ class NativeRuntime(Runtime):
         why = socket_is_ours(rank.socket_path, self.cfg.socket_dir)
         if why:
             return why
-        deadline = time.monotonic() + timeout
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout)
-                sock.connect(rank.socket_path)
-                protocol.send_frame(sock, {"cmd": "hello"})
-                protocol.recv_frame(sock, max_frame=1 << 20, deadline=deadline)
-        except TimeoutError:
+            query(rank.socket_path, "hello", timeout=timeout)
+        except DaemonTimeoutError:
             return f"no answer to hello within {timeout:g}s"
-        except (OSError, protocol.ProtocolError) as exc:
+        except WeightCacheError as exc:
             return f"hello failed: {exc}"
         return None
 
@@ -194,7 +191,7 @@ class NativeRuntime(Runtime):
             return None
         try:
             sock, reply = self._request(rank.socket_path, "watch", timeout)
-        except (OSError, protocol.ProtocolError):
+        except WeightCacheError:
             return None
         if not reply.get("ok"):
             with contextlib.suppress(OSError):

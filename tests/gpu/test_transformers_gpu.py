@@ -67,6 +67,18 @@ def test_from_pretrained_logits_bit_equal_on_gpu(shape):
         assert ours_inv.device == torch.device("cuda", 0)
         del ours, result
         torch.cuda.empty_cache()
+        # dtype=torch.bfloat16 names the same bytes as the daemon's `auto` on a bf16
+        # checkpoint: served from the cache, mapping it (no new device memory for weights).
+        before = torch.cuda.memory_allocated(0)
+        same, result = from_pretrained(work, device="cuda:0", socket_dir=sockets,
+                                       dtype=torch.bfloat16, fallback=False, return_result=True)
+        assert result.source == "cache", result.reason
+        extra = torch.cuda.memory_allocated(0) - before
+        assert extra < 64 * 2**20, f"{extra / 1e9:.2f} GB allocated for a cached load"
+        with torch.no_grad():
+            assert torch.equal(same(ids).logits, ours_logits)
+        del same, result
+        torch.cuda.empty_cache()
         # No device_map: transformers would need accelerate for it. Loading on CPU and moving
         # gives the same bits (rotary buffers are computed on CPU either way).
         ref = transformers.AutoModelForCausalLM.from_pretrained(work).to("cuda:0")

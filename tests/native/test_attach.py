@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -295,3 +296,79 @@ def test_unusual_tensors_round_trip_through_the_layout(tmp_path):
         assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
         raw = got[name].reshape(-1).view(torch.uint8)
         assert torch.equal(raw, want.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def test_the_fingerprint_names_the_served_dtype_not_the_requested_one(served, ckpt):
+    """`auto` and an explicit dtype equal to the checkpoint's serve the same bytes (a hit);
+    another dtype is a miss that says what each side serves."""
+    sockets, _ = served
+    same = attach(ckpt, socket_dir=sockets, dtype="bfloat16", fallback=False)
+    assert same.source == "cache"
+    assert all(t.dtype == torch.bfloat16 for t in same.state_dict.values())
+    with pytest.raises(FingerprintMismatchError) as info:
+        attach(ckpt, socket_dir=sockets, dtype="float16", fallback=False)
+    assert info.value.fields == ["dtype"]
+    assert "the cache serves bfloat16, this load asks for float16" in str(info.value)
+
+
+def test_a_mixed_dtype_checkpoint_served_as_stored(preload, sock_dir, tmp_path):
+    """`auto` on bf16 weights with f32 norms serves each tensor as stored: only a request
+    that serves the same mix (auto) matches; bfloat16 or float32 would convert some bytes."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "mixed"
+    model.mkdir()
+    gen = torch.Generator().manual_seed(7)
+    save_file({"w": torch.randn(8, 8, generator=gen).to(torch.bfloat16),
+               "norm": torch.randn(8, generator=gen), "ids": torch.arange(4)},
+              str(model / "model.safetensors"))
+    preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    hit = attach(model, socket_dir=sock_dir, fallback=False)
+    assert hit.source == "cache"
+    assert (hit.state_dict["w"].dtype, hit.state_dict["norm"].dtype) == (torch.bfloat16,
+                                                                         torch.float32)
+    for dtype in ("bfloat16", "float32"):
+        with pytest.raises(FingerprintMismatchError) as info:
+            attach(model, socket_dir=sock_dir, dtype=dtype, fallback=False)
+        assert info.value.fields == ["dtype"]
+        assert f"serves BF16:bfloat16,F32:float32, this load asks for {dtype}" in str(info.value)
+
+
+FALLBACK_UNDER_RLIMIT = r"""
+import json, resource, sys
+import torch
+from weightcache import client
+vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:"))
+limit = vm * 1024 + 256 * 2**20  # what is mapped now + 256 MiB: the 2 GiB arena cannot fit
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+try:
+    client.attach(sys.argv[1], socket_dir=sys.argv[2], fallback=True)
+except Exception as exc:
+    fallback = isinstance(exc, getattr(client, "DiskFallbackError", ()))
+    print(json.dumps({"type": type(exc).__name__, "fallback": fallback,
+                      "reason": getattr(exc, "reason", None),
+                      "cache_reason": getattr(exc, "cache_reason", None),
+                      "cause": type(exc.__cause__).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_failing_disk_fallback_raises_one_documented_error(tmp_path, sock_dir):
+    """No daemon (the cache says `unavailable`), then the disk path runs out of address space
+    (a real RLIMIT_AS in a child): a DiskFallbackError, the torch error as its cause and the
+    cache's reason kept; not torch's RuntimeError."""
+    model = tmp_path / "big"
+    model.mkdir()
+    nbytes = 2 * 2**30
+    header = json.dumps({"w": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}})
+    header += " " * (-len(header) % 8)
+    with open(model / "model.safetensors", "wb") as fh:  # sparse: no disk for the data
+        fh.write(struct.pack("<Q", len(header)) + header.encode())
+        fh.truncate(8 + len(header) + nbytes)
+    out = subprocess.run([sys.executable, "-P", "-c", FALLBACK_UNDER_RLIMIT, str(model),
+                          str(sock_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["fallback"] and got["reason"] == "disk_fallback", got
+    assert got["cache_reason"].startswith("unavailable: "), got
+    assert got["cause"] in ("RuntimeError", "MemoryError", "OSError"), got
+    assert "from the cache (unavailable: " in got["message"] and "nor from disk" in got["message"]

@@ -23,13 +23,19 @@ def wait_for(url: str, code: int, timeout: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
-def test_a_stopped_rank_is_reported_unresponsive(ckpt, sock_dir, preload):
+def serving_with_health(ckpt, sock_dir, preload) -> tuple[str, str, int]:
+    """A one-rank `weightcache preload` with its /health: (health url, socket, rank pid)."""
     p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
                 "--weight-cache-health-port", "0")
     ready = p.wait_ready(120)
     url = json.loads(next(ln for ln in p.lines if ln.startswith("HEALTH "))[7:])["url"]
     wait_for(url, 200)
-    pid = query(ready["sockets"][0], "hello")["pid"]
+    sock = ready["sockets"][0]
+    return url, sock, query(sock, "hello")["pid"]
+
+
+def test_a_stopped_rank_is_reported_unresponsive(ckpt, sock_dir, preload):
+    url, _, pid = serving_with_health(ckpt, sock_dir, preload)
     os.kill(pid, signal.SIGSTOP)
     try:
         body = wait_for(url, 503)

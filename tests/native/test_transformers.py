@@ -141,3 +141,15 @@ def test_materialize_keeps_real_non_persistent_buffers(served_llama):
 def test_a_hub_id_or_missing_config_is_refused_with_a_hint(tmp_path):
     with pytest.raises(client.CheckpointError, match="download"):
         from_pretrained("meta-llama/Llama-3.1-8B")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "auto"])
+def test_an_explicit_dtype_equal_to_the_checkpoints_is_served_from_the_cache(served_llama, dtype):
+    """The daemon runs with `auto` on a bf16 checkpoint: asking for bfloat16 by name or by
+    torch dtype names the same bytes, so it is a cache hit (it was a `dtype` mismatch)."""
+    model_dir, sockets = served_llama
+    ours, result = from_pretrained(model_dir, socket_dir=sockets, fallback=False, dtype=dtype,
+                                   return_result=True)
+    assert result.source == "cache", result.reason
+    assert_identical(ours, transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16))

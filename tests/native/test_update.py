@@ -416,3 +416,39 @@ def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock
     again = attach(ckpt_b, socket_dir=sock_dir, mode="copy", fallback=False)
     assert again.source == "cache" and again.generation == 2
     assert_matches(again.state_dict, reference(ckpt_b))
+
+
+def test_an_engine_registering_after_a_rank_broke_is_told(daemon, ckpt, ckpt_b, sock_dir):
+    """Broken before it registered: it gets the `broken` event at once, like the others."""
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    with raw_connect(daemon, 30) as c:
+        update = _stage(c, ckpt_b)
+        _call(c, "update_pause", update=update, force=True)
+        assert _call(c, "update_write", update=update)["ok"]
+        assert _call(c, "update_abort", update=update)["phase"] == "broken"
+    broken: list[str] = []
+    late = follow_updates(res, on_broken=broken.append)
+    try:
+        assert late.wait_for("broken", timeout=30)
+        assert broken and "aborted after the write" in broken[0]
+        assert late.broken == broken[0]
+    finally:
+        late.close()
+
+
+def test_release_is_refused_while_an_update_writes(daemon, ckpt, ckpt_b, sock_dir):
+    res = attach(ckpt, socket_dir=sock_dir, fallback=False)
+    part = follow_updates(res)
+    try:
+        with raw_connect(daemon, 30) as c:
+            update = _stage(c, ckpt_b)
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            for step in ("paused", "written"):
+                reply = query(daemon, "release")
+                assert reply["error"] == proto.E_BUSY and step in reply["message"], reply
+                if step == "paused":
+                    assert _call(c, "update_write", update=update)["ok"]
+            assert _call(c, "update_finish", update=update)["generation"] == 2
+        assert query(daemon, "release")["ok"]  # once it is over, release works again
+    finally:
+        part.close()

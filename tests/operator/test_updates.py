@@ -100,6 +100,10 @@ async def reasons(cluster) -> list[str]:
     return [e.get("reason") for e in await cluster.list(f"/api/v1/namespaces/{NS}/events")]
 
 
+async def _observed(cluster, generation: int) -> bool:
+    return (await cluster.status("llama")).get("observedGeneration") == generation
+
+
 def plan_hash(ds: dict) -> str:
     return ds["spec"]["template"]["metadata"]["annotations"]["weightcache.io/plan-hash"]
 
@@ -148,13 +152,27 @@ async def test_revision_change_updates_in_place_node_by_node(cluster, operator, 
     assert plan["spec"]["model"]["path"] == "/models/b"
     await eventually(lambda: _posted(cluster, "LayoutMismatch"))
 
-    # Recreate: the plan changes, the DaemonSet rolls its pods.
+    # Only the strategy changes: nothing to restart for (the pod template stays as it is).
+    before_template = (await cluster.get(ds_url("llama")))["spec"]["template"]
     await cluster.patch(cache_url("llama"), {"metadata": {"generation": 4}, "spec": {
+        "model": {"path": "/models/b", "revision": "step-200"},
+        "updateStrategy": {"type": "Recreate"}}})
+    await eventually(lambda: _observed(cluster, 4))
+    assert (await cluster.get(ds_url("llama")))["spec"]["template"] == before_template
+    # The refusal of /models/bad-layout does not outlive the revert to the served revision.
+    cond = update_cond(await cluster.status("llama"))
+    assert cond["reason"] == "Serving" and "was LayoutMismatch" in cond["message"], cond
+    assert sorted(p["metadata"]["name"] for p in await cluster.agent_pods("llama")) == pods
+
+    # Recreate: the group restarts under a new epoch, the DaemonSet rolls its pods.
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 5}, "spec": {
         "model": {"path": "/models/c"}, "updateStrategy": {"type": "Recreate"}}})
     status = await updating(cluster, "Recreated")
-    # (a merge patch keeps revision "x" from the refused attempt)
-    assert status["model"] == {"path": "/models/c", "revision": "x"}
-    assert plan_hash(await cluster.get(ds_url("llama"))) != before_hash
+    # (a merge patch keeps revision "step-200")
+    assert status["model"] == {"path": "/models/c", "revision": "step-200"}
+    after = (await cluster.get(ds_url("llama")))["spec"]["template"]["metadata"]["annotations"]
+    assert int(after[C.ANN_EPOCH]) == int(
+        before_template["metadata"]["annotations"][C.ANN_EPOCH]) + 1
     await eventually(lambda: _posted(cluster, "Recreating"))
 
 

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,8 +38,9 @@ from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
 from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
 from weightcache.errors import ProjectError
 
-from ..shared import protocol
 from ..shared.checkpoint import CheckpointError, open_checkpoint, tied_aliases
+from ..shared.connection import query
+from ..shared.errors import WeightCacheError
 from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_argv, shard_rules
 from ..shared.gpu import visible_device_count
 from ..shared.security import SecurityError, prepare_socket_dir
@@ -111,17 +111,13 @@ def _reader(rank: Rank) -> None:
 
 def _answers(path: str, timeout: float) -> bool:
     """Does the rank answer a `hello` on its socket within `timeout`? (Any reply counts:
-    even `busy` proves the process runs.)"""
-
+    even `busy` proves the process runs.) Asked through the checked connect: only a process
+    of our uid at the rank's path counts, so a stranger's listener swapped in behind the path
+    cannot answer for a stopped rank."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-            s.settimeout(timeout)
-            s.connect(path)
-            deadline = time.monotonic() + timeout
-            protocol.send_frame(s, {"cmd": "hello"})
-            protocol.recv_frame(s, max_frame=1 << 20, deadline=deadline)
+        query(path, "hello", timeout=timeout)
         return True
-    except (OSError, protocol.ProtocolError):
+    except WeightCacheError:
         return False
 
 

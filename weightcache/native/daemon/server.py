@@ -30,6 +30,7 @@ from ..shared.security import SecurityError, check_peer, peer_credentials
 from ..shared.sharding import ShardRule
 from ..shared.transport import Arena, available_transports
 from .config import RankConfig
+from .histogram import Histogram
 from .loading import LoadedShard
 from .updater import RankUpdater, UpdateConfig
 
@@ -67,9 +68,7 @@ class Stats:
         self._lock = threading.Lock()
         self.requests: dict[str, dict[str, int]] = {}
         self.mismatches: dict[str, int] = {}
-        self.buckets = [0] * len(BUCKETS)
-        self.attach_count = 0
-        self.attach_sum = 0.0
+        self.attach_seconds = Histogram(BUCKETS)
         self.watchers = 0
         self.connections = 0
 
@@ -86,11 +85,7 @@ class Stats:
 
     def attach(self, seconds: float) -> None:
         with self._lock:
-            self.attach_count += 1
-            self.attach_sum += seconds
-            for i, bound in enumerate(BUCKETS):
-                if seconds <= bound:
-                    self.buckets[i] += 1
+            self.attach_seconds.observe(seconds)
 
     def adjust(self, name: str, delta: int) -> None:
         with self._lock:
@@ -101,12 +96,7 @@ class Stats:
             return {
                 "requests": {k: dict(v) for k, v in self.requests.items()},
                 "mismatches": dict(self.mismatches),
-                "attach_seconds": {
-                    "buckets": [[b, c] for b, c in zip(BUCKETS, self.buckets, strict=True)]
-                    + [["+Inf", self.attach_count]],
-                    "sum": self.attach_sum,
-                    "count": self.attach_count,
-                },
+                "attach_seconds": self.attach_seconds.snapshot(),
                 "watchers": self.watchers,
                 "connections": self.connections,
             }
@@ -239,14 +229,11 @@ class RankServer:
         """Identity check, then the table and the arena's fds (under the updater's lock)."""
         fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
         if fields:
-            self.stats.mismatch(fields)
-            why = ""
-            if "content" in fields:
-                why = f" ({content_mod.verify_claim(self.content, expected.get('content'))})"
+            self.stats.mismatch(list(fields))
             return proto.error(
                 proto.E_FINGERPRINT_MISMATCH,
-                f"cached shard differs in: {', '.join(fields)}{why}",
-                fields=fields,
+                f"cached shard differs in: {fp.describe(fields)}",
+                fields=list(fields),
             ), []
         with self._state_lock:
             if self.arena is None:
@@ -266,8 +253,13 @@ class RankServer:
         The reply says what was actually freed: `released` is the daemon's reference
         (bytes); `still_mapped` is how much engines that attached zero_copy may keep mapped
         (all of it when any did: the daemon cannot see their mappings end), so `freed` is
-        true only when no zero_copy engine ever attached.
+        true only when no zero_copy engine ever attached. Refused while an update writes.
         """
+        if self.updates is None:
+            return self._release()
+        return self.updates.release(self._release)
+
+    def _release(self) -> tuple[dict[str, Any], list[int]]:
         with self._state_lock:
             if self.arena is None:
                 return proto.ok(released=0, still_mapped=self.released_bytes, freed=False), []

@@ -57,6 +57,7 @@ from ..shared.errors import UpdateError
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
+from .histogram import Histogram
 
 if TYPE_CHECKING:
     from ..shared.transport import Arena
@@ -150,27 +151,6 @@ class Staged:
     forced: list[int] = field(default_factory=list)
     previous: torch.Tensor | None = None  # host copy of the generation served before the write
     rollback_why: str = ""  # why no copy was kept
-
-
-class _Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * len(BUCKETS)
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.count += 1
-        self.sum += seconds
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
-                self.counts[i] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "buckets": [[b, c] for b, c in zip(BUCKETS, self.counts, strict=True)]
-            + [["+Inf", self.count]],
-            "sum": self.sum,
-            "count": self.count,
-        }
 
 
 def layout_differences(
@@ -276,8 +256,8 @@ class RankUpdater:
         self._participants: dict[int, Participant] = {}
         self._attached: dict[int, str] = {}  # pid -> mode of engines that mapped the arena
         self.results: dict[str, int] = {}
-        self.update_seconds = _Histogram()
-        self.pause_seconds = _Histogram()
+        self.update_seconds = Histogram(BUCKETS)
+        self.pause_seconds = Histogram(BUCKETS)
 
     # -- facts for other commands ----------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -325,6 +305,18 @@ class RankUpdater:
                 self._note_attach(pid, mode)
             return reply, fds
 
+    def release(
+        self, drop: Callable[[], tuple[dict[str, Any], list[int]]]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """`release` as one step against updates: refused (busy) while an update pauses
+        engines or writes the arena, so a write never lands in an arena being freed and a
+        pause is never left waiting for a rank that dropped its weights."""
+        with self._lock:
+            if self.phase in (PAUSED, WRITTEN):
+                return proto.error(
+                    proto.E_BUSY, f"an update is {self.phase} on this rank: release after it"), []
+            return drop()
+
     def _note_attach(self, pid: int, mode: Any) -> None:
         """An engine mapped the arena (old clients send no mode: counted as zero_copy)."""
         self._attached[pid] = "copy" if mode == "copy" else "zero_copy"
@@ -356,6 +348,8 @@ class RankUpdater:
             hello = proto.ok(watching=True, rank=self.server.rank, generation=self.generation,
                              phase=self.phase)
             part.send(hello)
+            if self.phase == BROKEN:  # a late registrant is told as the others were
+                part.send(self._broken_event())
         try:
             conn.settimeout(PARTICIPANT_SEND_TIMEOUT_S)  # bounds our sends to it
             while not self.server.stopping.is_set():
@@ -724,5 +718,8 @@ class RankUpdater:
         self.broken_reason = why
         self.staged = None
         log.error("rank %d cache broken: %s", self.server.rank, why)
-        self._broadcast({"event": "broken", "generation": self.generation, "message": why})
+        self._broadcast(self._broken_event())
         self._changed.notify_all()
+
+    def _broken_event(self) -> dict[str, Any]:
+        return {"event": "broken", "generation": self.generation, "message": self.broken_reason}

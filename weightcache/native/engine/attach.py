@@ -42,6 +42,7 @@ from ..shared.errors import (
     DaemonLoadingError,
     DaemonUnavailableError,
     DeviceMismatchError,
+    DiskFallbackError,
     FingerprintMismatchError,
     NotReadyError,
     ReleasedError,
@@ -408,7 +409,13 @@ def attach(
             "weightcache%s: loading %s (rank %d/%d) from disk: %s",
             f" {cache}" if cache else "", model_dir, tp_rank, tp_size, reason,
         )
-        state = load_from_disk(plan.layout, device)
+        try:
+            state = load_from_disk(plan.layout, device)
+        except Exception as disk:  # one contract: a failed load is a WeightCacheError
+            raise DiskFallbackError(
+                f"cannot load {model_dir} (rank {tp_rank}/{tp_size}) from the cache ({reason})"
+                f" nor from disk: {type(disk).__name__}: {disk}", reason,
+            ) from disk
         nbytes, source = plan.layout.nbytes, "disk"
     return AttachResult(
         state_dict=state,
@@ -559,6 +566,7 @@ __all__ = [
     "DaemonLoadingError",
     "DaemonUnavailableError",
     "DeviceMismatchError",
+    "DiskFallbackError",
     "FingerprintMismatchError",
     "MissingTensorError",
     "NotReadyError",

@@ -350,6 +350,32 @@ def _read_fully(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
+def copy_entry(raw: torch.Tensor, entry: Any, dst: torch.Tensor) -> None:
+    """Fill `dst` (a loader `Entry`'s `nbytes` of the arena, uint8) from `raw` (the stored
+    tensor's bytes, flat uint8, on any device).
+
+    A tensor kept in its stored dtype is copied as bytes: a typed copy is not a byte copy (a
+    BOOL byte that is neither 0 nor 1 would come out as 0x01), and the cache serves exactly
+    what safetensors reads. The row split of a sharded tensor is a narrow over the same
+    bytes, each element kept whole as its trailing `itemsize` bytes. Only a `--dtype`
+    conversion goes through typed views.
+    """
+    src, spec = entry.source, entry.spec
+    if entry.dtype == src.dtype:
+        size = src.itemsize
+        value = raw.view(*src.shape, size)
+        if spec.dim is not None:
+            value = value.narrow(spec.dim, spec.start, spec.length)
+        dst.view(*spec.shape, size).copy_(value, non_blocking=True)
+        return
+    if raw.data_ptr() % src.itemsize:
+        raw = raw.clone()  # unaligned in the file: view(dtype) needs aligned storage
+    value = raw.view(src.dtype).view(src.shape)
+    if spec.dim is not None:
+        value = value.narrow(spec.dim, spec.start, spec.length)
+    dst.view(entry.dtype).view(spec.shape).copy_(value, non_blocking=True)
+
+
 def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | None) -> None:
     if job.entry is None:
         if job.start == job.end:  # an empty file: its one chunk is empty
@@ -384,12 +410,8 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
         reader.done(buf)
         pos = end
     with reader.on_stream():
-        value = staged.view(src.dtype).view(src.shape)
-        if entry.spec.dim is not None:
-            value = value.narrow(entry.spec.dim, entry.spec.start, entry.spec.length)
-        dst = flat[entry.offset : entry.offset + entry.nbytes]
-        dst.view(entry.dtype).view(entry.spec.shape).copy_(value)
-        del staged, value
+        copy_entry(staged, entry, flat[entry.offset : entry.offset + entry.nbytes])
+        del staged
 
 
 def _job_nbytes(job: Job) -> int:

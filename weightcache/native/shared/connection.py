@@ -1,7 +1,10 @@
 """A checked connection to a daemon socket, and requests over it, for every client of a daemon.
 
-The engine attaches through it, the update coordinator and the node agent's probes ask through
-it: each checks the socket file and the daemon's uid the same way, and every failure is a
+Every connection the product makes to a daemon goes through `connect`: the engine's attach,
+the update participant, `weightcache update` (the coordinator), the launcher's liveness
+ping and the node agent's probes (native and vLLM daemons). Each checks the socket's
+directory and file and, once connected, the daemon's uid (SO_PEERCRED) the same way, so a
+listener another user put behind the path is never believed; every failure is a
 `WeightCacheError` (`errors.py`). Torch-free, so the node agent and `weightcache update` use it
 without torch.
 """
@@ -21,21 +24,23 @@ from .errors import (
     CacheSecurityError,
     DaemonError,
     DaemonLoadingError,
+    DaemonTimeoutError,
     DaemonUnavailableError,
     FingerprintMismatchError,
     NotReadyError,
     ReleasedError,
 )
 from .presence import loading_daemon
-from .security import SecurityError, check_peer, check_socket_file, trusted_uids
+from .security import SecurityError, check_peer, check_socket_path, trusted_uids
 
 
 def connect(path: str | os.PathLike, *, timeout: float = 5.0) -> socket.socket:
-    """Connect to a daemon socket after checking the file and, once connected, the peer uid."""
+    """Connect to a daemon socket after checking its directory and file and, once connected,
+    the peer uid (ours or one of WEIGHTCACHE_DAEMON_UID)."""
     path = Path(path)
     try:
         owners = trusted_uids()
-        check_socket_file(path, owners)
+        check_socket_path(path, owners)
     except FileNotFoundError:
         loading = loading_daemon(path)
         if loading:
@@ -79,23 +84,31 @@ def _connect_within(sock: socket.socket, path: str, timeout: float) -> None:
 
 
 def request(
-    sock: socket.socket, cmd: str, *, accept_fds: bool = False, **fields: Any
+    sock: socket.socket, cmd: str, *, accept_fds: bool = False, max_frame: int = proto.MAX_FRAME,
+    deadline: float | None = None, **fields: Any
 ) -> tuple[dict[str, Any], list[int]]:
+    """One request and its reply; `deadline` (monotonic) bounds the whole reply, not each read."""
     try:
         proto.send_frame(sock, {"cmd": cmd, **fields})
-        return proto.recv_frame(sock, accept_fds=accept_fds)
+        return proto.recv_frame(sock, accept_fds=accept_fds, max_frame=max_frame,
+                                deadline=deadline)
     except TimeoutError:
-        raise DaemonUnavailableError(f"daemon did not answer {cmd!r} in time") from None
+        raise DaemonTimeoutError(f"daemon did not answer {cmd!r} in time") from None
     except proto.ProtocolError as exc:
         raise CacheProtocolError(f"{cmd}: {exc}") from None
     except OSError as exc:
         raise DaemonUnavailableError(f"{cmd}: {exc}") from None
 
 
+PROBE_FRAME = 1 << 20  # a probe's reply (hello, get_memory, stats) is small
+
+
 def query(path: str | os.PathLike, cmd: str, *, timeout: float = 2.0, **fields: Any) -> dict:
-    """One request/reply without fds (hello, get_memory, stats): for probes and the node agent."""
+    """One request/reply without fds (hello, get_memory, stats) within `timeout` in all: for
+    probes (the launcher's liveness, the node agent)."""
+    deadline = time.monotonic() + timeout
     with contextlib.closing(connect(path, timeout=timeout)) as sock:
-        reply, _ = request(sock, cmd, **fields)
+        reply, _ = request(sock, cmd, max_frame=PROBE_FRAME, deadline=deadline, **fields)
         return reply
 
 

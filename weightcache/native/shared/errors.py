@@ -25,6 +25,10 @@ class DaemonUnavailableError(WeightCacheError):
     reason = "unavailable"
 
 
+class DaemonTimeoutError(DaemonUnavailableError):
+    """Connected, but the daemon did not answer in time (stopped, hung, or very busy)."""
+
+
 class DaemonLoadingError(DaemonUnavailableError):
     """No socket yet, but a daemon holds its lock: it is loading (see `presence.py`)."""
 
@@ -64,6 +68,21 @@ class DaemonError(WeightCacheError):
         super().__init__(message)
         self.code = code
         self.reason = code
+
+
+class DiskFallbackError(WeightCacheError):
+    """The cache could not serve a load and the disk fallback failed too.
+
+    With fallback on, this is the one error a load raises once the cache has said no: the
+    disk's own error (out of memory, a file that cannot be read...) is its `__cause__`, and
+    `cache_reason` keeps why the cache path was left ("protocol: ...", "unavailable: ...").
+    """
+
+    reason = "disk_fallback"
+
+    def __init__(self, message: str, cache_reason: str) -> None:
+        super().__init__(message)
+        self.cache_reason = cache_reason
 
 
 class UpdateError(ProjectError):

@@ -91,19 +91,30 @@ def mismatched_fields(
     expected: dict[str, Any],
     actual: dict[str, Any],
     record: dict[str, content_mod.FileDigest] | None = None,
-) -> list[str]:
-    """Fields that differ; a field missing on either side counts as different.
+) -> dict[str, str]:
+    """Fields that differ, each with why (in order of FIELDS; empty when they all match); a
+    field missing on either side counts as different.
 
     With the daemon's per-file `record`, `content` is the client's claim, checked by
-    content.verify_claim; without it the two `content` values are compared as they are.
+    content.verify_claim (once: its answer is the reason); without it the two `content`
+    values are compared as they are. `dtype` names what each side serves (rankplan.served_dtype).
     """
     if not isinstance(actual, dict):
-        return list(FIELDS)
-    out = []
+        return {k: "" for k in FIELDS}
+    out: dict[str, str] = {}
     for k in FIELDS:
         if k == "content" and record is not None:
-            if content_mod.verify_claim(record, actual.get(k)) is not None:
-                out.append(k)
+            why = content_mod.verify_claim(record, actual.get(k))
+            if why is not None:
+                out[k] = why
         elif expected.get(k) != actual.get(k):
-            out.append(k)
+            out[k] = ""
+            if k == "dtype":
+                out[k] = (f"the cache serves {str(expected.get(k))[:MAX_TEXT]},"
+                          f" this load asks for {str(actual.get(k))[:MAX_TEXT]}")
     return out
+
+
+def describe(fields: dict[str, str]) -> str:
+    """`mismatched_fields`' answer as one line: "dtype (the cache serves ...), content (...)"."""
+    return ", ".join(f"{k} ({why})" if why else k for k, why in fields.items())

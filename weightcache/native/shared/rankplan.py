@@ -14,7 +14,7 @@ from typing import Any
 
 from . import fingerprint as fp
 from .checkpoint import Checkpoint, tied_aliases
-from .loader import ArenaLayout, plan_layout
+from .loader import ArenaLayout, dtype_name, plan_layout
 from .sharding import ShardRule
 
 
@@ -37,9 +37,33 @@ def plan_rank_shard(
         ckpt,
         tp_size=tp_size,
         tp_rank=tp_rank,
-        dtype=dtype,
+        dtype=served_dtype(layout),
         shard_rules=[r.text for r in rules],
         aliases=layout.aliases,
         content=content,
     )
     return layout, fingerprint
+
+
+def served_dtype(layout: ArenaLayout) -> str:
+    """The fingerprint's `dtype`: what the arena's convertible tensors are, not what was asked.
+
+    `--dtype` converts floating-point tensors wider than a byte and leaves every other one as
+    stored (loader.target_dtype), so "auto" and an explicit dtype equal to the checkpoint's
+    serve the same bytes and must name the same shard. One dtype when every convertible tensor
+    is served in it ("bfloat16"); a checkpoint mixing stored dtypes served as stored ("auto" on
+    bf16 weights with f32 norms) is named per stored tag, "BF16:bfloat16,F32:float32", which
+    only a request serving the same mix matches; "as-stored" when no tensor is convertible
+    (every request serves the same bytes).
+    """
+    served: dict[str, str] = {}
+    for entry in layout.entries:
+        src = entry.source
+        if src.dtype.is_floating_point and src.itemsize > 1:
+            served[src.tag] = dtype_name(entry.dtype)
+    kinds = set(served.values())
+    if not kinds:
+        return "as-stored"
+    if len(kinds) == 1:
+        return kinds.pop()
+    return ",".join(f"{tag}:{name}" for tag, name in sorted(served.items()))

@@ -154,6 +154,18 @@ def socket_refusal(path: str | os.PathLike, private_dir: str | os.PathLike) -> s
     return None
 
 
+def check_socket_path(path: Path, owners: set[int] | None = None) -> None:
+    """What every connection to a daemon checks before it connects: the socket's directory
+    (not a symlink, of a uid in `owners`, writable by no one else) and the socket file.
+
+    A user who may rename the directory away (they own its parent) can still put their own
+    listener behind the path between this check and the connect: the peer's credentials,
+    checked once connected (`check_peer`), are what refuses them.
+    """
+    check_dir(path.parent, private=False, owners=owners)
+    check_socket_file(path, owners)
+
+
 def check_socket_file(path: Path, owners: set[int] | None = None) -> None:
     """Refuse a socket path that is a symlink, not a socket, or owned by a uid not in
     `owners` (default: ours)."""
