@@ -404,12 +404,12 @@ def _inject_affinity(spec: dict[str, Any], cache: CacheView) -> None:
     if not terms:
         required["nodeSelectorTerms"] = [{"matchExpressions": [expr]}]
         return
-    # Terms are ORed: the cache's label must hold in every one of them.
+    # Terms are ORed: the cache's label must hold in every one of them. A pod's own expression
+    # on the key stays (expressions are ANDed): one that requires `In [ready]` waits for ready.
     for term in terms:
         exprs = term.setdefault("matchExpressions", [])
-        # An expression of an older webhook (`In [ready]`) is replaced, not kept beside ours.
-        exprs[:] = [e for e in exprs if e.get("key") != key]
-        exprs.append(expr)
+        if expr not in exprs:
+            exprs.append(expr)
 
 
 def _check_mismatches(container: dict[str, Any], argv: Argv, cache: CacheView, res: Result) -> None:

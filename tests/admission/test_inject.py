@@ -229,8 +229,8 @@ def test_affinity_accepts_loading_nodes_prefers_ready_and_passes_api_rules(
     webhook: LocalWebhook, make_cache: Any
 ) -> None:
     """Scale-up overlaps: required `In [ready, loading]`, preferred `ready` (weight 100), kept
-    beside a user's own preferences, in the shape a real API server accepts; an older
-    webhook's `In [ready]` on the same key is replaced, not ANDed with ours."""
+    beside a user's own preferences, in the shape a real API server accepts; a pod's own
+    `In [ready]` on the key is kept (ANDed: that pod still waits for a ready node)."""
     from weightcache.testing import apirules
 
     cache = make_cache()
@@ -250,14 +250,14 @@ def test_affinity_accepts_loading_nodes_prefers_ready_and_passes_api_rules(
     assert node["preferredDuringSchedulingIgnoredDuringExecution"][0] == own
     exprs = node["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"]
-    assert exprs == [{"key": key, "operator": "In", "values": ["ready", "loading"]}]
+    assert exprs == [old, {"key": key, "operator": "In", "values": ["ready", "loading"]}]
     obj = {"apiVersion": "v1", "kind": "Pod", **patched}
     obj["metadata"] = {**patched["metadata"], "name": "engine", "namespace": ns}
     problems = [p for p in apirules.check(obj) if p.rule.startswith("pod.affinity")]
     assert problems == []
     # The rules bite: a weight out of range and a bad label value are what a server refuses.
     node["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] = 101
-    exprs[0]["values"] = ["ready", "not a value!"]
+    exprs[1]["values"] = ["ready", "not a value!"]
     rules = {p.rule for p in apirules.check(obj)}
     assert {"pod.affinity.preferred", "pod.affinity.terms"} <= rules
 
