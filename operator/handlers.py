@@ -67,6 +67,7 @@ class PodInfo:
     rank_label: str | None
     deleting: bool
     ip: str = ""
+    running: bool = False  # phase Running: its ranks are loading (or serve)
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -87,6 +88,7 @@ class PodInfo:
             rank_label=(meta.get("labels") or {}).get(constants.LABEL_NODE_RANK),
             deleting=bool(meta.get("deletionTimestamp")),
             ip=observed.get("podIP") or "",
+            running=observed.get("phase") == "Running",
         )
 
 
@@ -211,6 +213,10 @@ class Pass:
         self.generations = {
             n["node"]: n for n in self.previous.get("nodes") or [] if n.get("pod")
         }
+
+    def loading_nodes(self) -> list[str]:
+        """Placed nodes whose current agent pod runs (its daemons load or serve)."""
+        return [node for node, pod in self.current.items() if pod.running and not pod.deleting]
 
 
 @dataclass
@@ -495,7 +501,7 @@ class Controller:
             new["message"] = run.update_cond.message
         ready_nodes = list(run.ranks) if new["phase"] == "Ready" else []
         await self._finish(run.body, run.key, run.previous, new, run.labels_by_node,
-                           ready_nodes=ready_nodes)
+                           ready_nodes=ready_nodes, loading_nodes=run.loading_nodes())
         return new["phase"]
 
     @staticmethod
@@ -695,6 +701,7 @@ class Controller:
         new: dict[str, Any],
         labels_by_node: Mapping[str, Mapping[str, str]],
         ready_nodes: Any,
+        loading_nodes: Any = (),
     ) -> None:
         assert self.kube is not None
         namespace, name = key
@@ -706,7 +713,8 @@ class Controller:
                 new[carried] = previous[carried]
         if not any(c.get("type") == status.UPDATING for c in new.get("conditions") or ()):
             status.with_updating(new, previous, None, None)
-        await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes)
+        await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes,
+                                      loading_nodes)
         if not status.same(previous, new):
             await self.kube.patch(
                 path(constants.API_VERSION, constants.PLURAL, namespace, name, "status"),

@@ -43,6 +43,8 @@ ENV_MODE = "WEIGHTCACHE_MODE"
 ENV_FALLBACK = "WEIGHTCACHE_FALLBACK"
 ENV_CONNECT_TIMEOUT = "WEIGHTCACHE_CONNECT_TIMEOUT_S"
 ENV_STATE_TIMEOUT = "WEIGHTCACHE_STATE_TIMEOUT_S"
+# How long an engine waits for a daemon that is still loading its rank before loading from disk.
+ENV_LOADING_WAIT = "WEIGHTCACHE_LOADING_WAIT_S"
 ENV_CACHE = "WEIGHTCACHE_CACHE"
 
 # Environment of agent pods (downward API and plan path).

@@ -28,7 +28,7 @@ from typing import Any
 import jsonpatch
 
 from weightcache import constants as C
-from weightcache.contracts.vocabulary import MODES, READY_VALUE
+from weightcache.contracts.vocabulary import MODES, NODE_LABEL_VALUES, READY_VALUE
 from weightcache.errors import ProjectError
 from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
 from weightcache.operator.admission.alignment import inject_alignment
@@ -384,19 +384,28 @@ def _inject_isolation(
 
 
 def _inject_affinity(spec: dict[str, Any], cache: CacheView) -> None:
-    expr = {
-        "key": C.node_ready_label(cache.namespace, cache.name),
-        "operator": "In",
-        "values": [READY_VALUE],
-    }
+    """Required: a node where the cache is ready or loading; preferred: a ready one.
+
+    A node still loading the cache is acceptable because the engine's own start (interpreter,
+    imports, CUDA context) then overlaps the daemon's load and the client waits for its rank
+    (`WEIGHTCACHE_LOADING_WAIT_S`) instead of reading the disk beside it.
+    """
+    key = C.node_ready_label(cache.namespace, cache.name)
+    expr = {"key": key, "operator": "In", "values": list(NODE_LABEL_VALUES)}
     affinity = spec.setdefault("affinity", {})
     node = affinity.setdefault("nodeAffinity", {})
+    preferred = node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    prefer = {"weight": 100, "preference": {"matchExpressions": [
+        {"key": key, "operator": "In", "values": [READY_VALUE]}]}}
+    if prefer not in preferred:
+        preferred.append(prefer)
     required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or []
     if not terms:
         required["nodeSelectorTerms"] = [{"matchExpressions": [expr]}]
         return
-    # Terms are ORed: the cache's label must hold in every one of them.
+    # Terms are ORed: the cache's label must hold in every one of them. A pod's own expression
+    # on the key stays (expressions are ANDed): one that requires `In [ready]` waits for ready.
     for term in terms:
         exprs = term.setdefault("matchExpressions", [])
         if expr not in exprs:
@@ -514,7 +523,8 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
         label = C.node_ready_label(cache.namespace, cache.name)
         res.warnings.append(
             f"WeightCache {cache.name!r} is not Ready yet (phase {cache.phase or 'unknown'}): "
-            f"the pod waits for a node labeled {label}={READY_VALUE}"
+            f"the pod waits for a node labeled {label}={READY_VALUE} or"
+            f" {'|'.join(v for v in NODE_LABEL_VALUES if v != READY_VALUE)} (its agent runs)"
         )
     res.warnings.extend(res.mismatches)
     res.ops = patch_ops(pod, new)

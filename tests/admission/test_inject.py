@@ -46,8 +46,13 @@ def assert_common(pod: dict, cache: dict, container: int = 0, read_only: bool = 
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    expr = {"key": f"{ns}.cache.weightcache.io/{name}", "operator": "In", "values": ["ready"]}
+    key = f"{ns}.cache.weightcache.io/{name}"
+    expr = {"key": key, "operator": "In", "values": ["ready", "loading"]}
     assert terms and all(expr in t["matchExpressions"] for t in terms)
+    preferred = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    ready = {"weight": 100, "preference": {"matchExpressions": [
+        {"key": key, "operator": "In", "values": ["ready"]}]}}
+    assert preferred.count(ready) == 1
 
 
 def test_deployment_pod_entrypoint_args(webhook: LocalWebhook, make_cache: Any) -> None:
@@ -218,6 +223,43 @@ def test_existing_affinity_terms_all_get_the_ready_label(
     assert (
         patched["spec"]["affinity"]["podAntiAffinity"] == pod["spec"]["affinity"]["podAntiAffinity"]
     )
+
+
+def test_affinity_accepts_loading_nodes_prefers_ready_and_passes_api_rules(
+    webhook: LocalWebhook, make_cache: Any
+) -> None:
+    """Scale-up overlaps: required `In [ready, loading]`, preferred `ready` (weight 100), kept
+    beside a user's own preferences, in the shape a real API server accepts; a pod's own
+    `In [ready]` on the key is kept (ANDed: that pod still waits for a ready node)."""
+    from weightcache.testing import apirules
+
+    cache = make_cache()
+    name, ns = cache["metadata"]["name"], cache["metadata"]["namespace"]
+    key = f"{ns}.cache.weightcache.io/{name}"
+    pod = pods.serve_args_pod(name)
+    own = {"weight": 5, "preference": {"matchExpressions": [
+        {"key": "zone", "operator": "In", "values": ["a"]}]}}
+    old = {"key": key, "operator": "In", "values": ["ready"]}
+    pod["spec"]["affinity"] = {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [own],
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [old]}]}}}
+    _, patched = admit(webhook, pod)
+    assert_common(patched, cache)
+    node = patched["spec"]["affinity"]["nodeAffinity"]
+    assert node["preferredDuringSchedulingIgnoredDuringExecution"][0] == own
+    exprs = node["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"]
+    assert exprs == [old, {"key": key, "operator": "In", "values": ["ready", "loading"]}]
+    obj = {"apiVersion": "v1", "kind": "Pod", **patched}
+    obj["metadata"] = {**patched["metadata"], "name": "engine", "namespace": ns}
+    problems = [p for p in apirules.check(obj) if p.rule.startswith("pod.affinity")]
+    assert problems == []
+    # The rules bite: a weight out of range and a bad label value are what a server refuses.
+    node["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] = 101
+    exprs[1]["values"] = ["ready", "not a value!"]
+    rules = {p.rule for p in apirules.check(obj)}
+    assert {"pod.affinity.preferred", "pod.affinity.terms"} <= rules
 
 
 @pytest.mark.parametrize(

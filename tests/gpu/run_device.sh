@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach]  e.g.  tests bench 1b,8b update 8b
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE]
+#   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
 set -u
@@ -87,6 +88,19 @@ while [ $# -gt 0 ]; do
       WEIGHTCACHE_BENCH_ATTACH_OUT="$OUT/bench_attach.json" WEIGHTCACHE_BENCH_ATTACH_WORKDIR="$WORK" \
         WEIGHTCACHE_BENCH_ATTACH_PARTS="${ATTACH_PARTS:-shard,scaling}" \
         timeout "${BENCH_TIMEOUT:-300}" python3 -m weightcache.cli bench --device cuda attach 2>&1 | tee "$OUT/bench_attach.log"
+      rm -rf "$WORK"
+      ;;
+    restart)
+      # `weightcache bench --device cuda restart` (weightcache/bench/restart.py): a transformers
+      # engine restarting from the cache with torch.compile (none / plain cache dirs / AOT
+      # precompile, first and second start), and a fresh node (daemon + engine started together
+      # against the engine alone from disk). SIZE 8b (default) or 1b; RESTART_PARTS narrows it.
+      SIZE=${2:-8b}; shift 2 || shift
+      WORK=/var/tmp/wc-restart; rm -rf "$WORK"; mkdir -p "$WORK"
+      WEIGHTCACHE_BENCH_RESTART_OUT="$OUT/bench_restart.json" WEIGHTCACHE_BENCH_RESTART_WORKDIR="$WORK" \
+        WEIGHTCACHE_BENCH_RESTART_MODEL="$SIZE" \
+        WEIGHTCACHE_BENCH_RESTART_PARTS="${RESTART_PARTS:-compile,fresh}" \
+        timeout "${BENCH_TIMEOUT:-570}" python3 -m weightcache.cli bench --device cuda restart 2>&1 | tee "$OUT/bench_restart.log"
       rm -rf "$WORK"
       ;;
     *) echo "unknown step $1"; shift ;;

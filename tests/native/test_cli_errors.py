@@ -88,7 +88,7 @@ def test_attach_while_the_daemon_loads_says_loading(ckpt, sock_dir, preload):
         assert time.monotonic() < deadline and p.proc.poll() is None
         time.sleep(0.05)
     code, out, err = run("attach", "--model", str(ckpt), "--socket-dir", str(sock_dir),
-                         "--no-fallback")
+                         "--no-fallback", env={**os.environ, "WEIGHTCACHE_LOADING_WAIT_S": "0"})
     assert code == 1
     assert "a daemon is loading" in one_line(err)
     assert json.loads(out)["error"] == "unavailable"

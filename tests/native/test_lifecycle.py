@@ -66,7 +66,9 @@ def test_sigterm_stops_ranks_and_removes_sockets_and_locks(ckpt, sock_dir, prelo
     assert not any(pid_alive(pid) for pid in ready["pids"])
 
 
-def test_not_ready_while_loading_never_a_partial_table(ckpt, sock_dir, preload):
+def test_not_ready_while_loading_never_a_partial_table(ckpt, sock_dir, preload, monkeypatch):
+    # Waiting for the loading daemon off (engine/loading.py): what a client sees meanwhile.
+    monkeypatch.setenv("WEIGHTCACHE_LOADING_WAIT_S", "0")
     env = {**os.environ, BIND_DELAY_ENV: "4"}
     p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir),
                 "--weight-cache-health-port", "0", env=env)

@@ -377,3 +377,39 @@ async def test_peering_lets_one_replica_reconcile(cluster):
         await phase_is(cluster, "small", "Placing")
         await reconciled(leader, 2)
         assert leader.reconciles >= 2 and standby.reconciles == 0
+
+
+async def test_nodes_are_labelled_loading_while_the_agents_load_then_ready(cluster, operator):
+    """Scale-up overlaps: an engine may be scheduled where the cache is still loading."""
+    for n in ("gpu-a", "gpu-b"):
+        await cluster.add_node(n)
+    await cluster.create_cache("llama", TP16)
+    await phase_is(cluster, "llama", "Placing")
+    key = C.node_ready_label(NS, "llama")
+
+    async def values() -> dict:
+        nodes = [await cluster.get(f"/api/v1/nodes/{n}") for n in ("gpu-a", "gpu-b")]
+        return {n["metadata"]["name"]: n["metadata"]["labels"].get(key) for n in nodes}
+
+    assert set((await values()).values()) == {None}  # no agent pod runs yet: no label
+    await cluster.materialize("llama", ready=False)  # agent pods run, ranks loading
+
+    async def loading():
+        got = await values()
+        return got if got == {"gpu-a": "loading", "gpu-b": "loading"} else None
+
+    await eventually(loading)
+    await cluster.set_pods_ready("llama")
+    await phase_is(cluster, "llama", "Ready")
+
+    async def ready():
+        got = await values()
+        return got if got == {"gpu-a": "ready", "gpu-b": "ready"} else None
+
+    await eventually(ready)
+    await cluster.delete(f"/apis/{C.API_VERSION}/namespaces/{NS}/{C.PLURAL}/llama")
+
+    async def unlabelled():
+        return set((await values()).values()) == {None}
+
+    await eventually(unlabelled)

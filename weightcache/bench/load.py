@@ -259,9 +259,10 @@ def from_pretrained(path: Path) -> dict[str, Any]:
 class Launcher:
     """The real `weightcache preload` (launcher + one daemon rank), timed to its READY line."""
 
-    def __init__(self, model: Path, sockdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, sockdir: Path, env: dict[str, str] | None = None,
+                 device: str | None = None) -> None:
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
-               "--device", DEVICE, "--weight-cache-socket-dir", str(sockdir)]
+               "--device", device or DEVICE, "--weight-cache-socket-dir", str(sockdir)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})

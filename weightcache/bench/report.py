@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "gpu": "weightcache.bench.gpu",
     "update": "weightcache.bench.update_vs_restart",
     "load": "weightcache.bench.load",
+    "restart": "weightcache.bench.restart",
     "operator": "weightcache.bench.operator",
     "admission": "weightcache.bench.admission",
     "alignment": "weightcache.bench.alignment",

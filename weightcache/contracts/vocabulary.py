@@ -29,9 +29,14 @@ ROLES = (ROLE_TARGET, ROLE_DRAFT)
 # Older name of the target role, still accepted by a daemon rank's `--role` and the client.
 ROLE_ALIASES = {"main": ROLE_TARGET}
 
-# Value of the node label `<namespace>.cache.weightcache.io/<name>` (constants.node_ready_label)
-# on nodes where a cache is ready; the webhook's injected node affinity requires it.
+# Values of the node label `<namespace>.cache.weightcache.io/<name>` (constants.node_ready_label):
+# `ready` on nodes where the whole cache is ready, `loading` on placed nodes whose agent pod runs
+# while the cache is not ready yet. The webhook's injected node affinity requires one of them
+# and prefers `ready`, so on a node new to the model an engine starts its interpreter, imports
+# and CUDA context while the daemon loads, and attaches the moment its rank is ready.
 READY_VALUE = "ready"
+LOADING_VALUE = "loading"
+NODE_LABEL_VALUES = (READY_VALUE, LOADING_VALUE)
 
 # Exit codes of `weightcache preload` and of its daemon ranks (`python -m
 # weightcache.native.daemon`), docs/native.md; `weightcache attach` and `weightcache update`

@@ -135,6 +135,12 @@ RULES: dict[str, Rule] = {
             "ValidateNodeSelectorRequirement",
         ),
         Rule(
+            "pod.affinity.preferred",
+            "preferred node affinity: each weight an integer in 1..100; its preference a node "
+            "selector term under the same rules as a required one",
+            f"{CORE} ValidatePreferredSchedulingTerms",
+        ),
+        Rule(
             "pod.affinity.match-fields",
             "matchFields: only key metadata.name, operator In or NotIn with exactly ONE value, "
             "a valid node name",
@@ -472,49 +478,61 @@ def _node_selector_terms(out: _Out, required: Any, field: str) -> None:
     terms = (required or {}).get("nodeSelectorTerms")
     out.need(bool(terms), "pod.affinity.terms", f"{field}.nodeSelectorTerms", "at least one term")
     for t, term in enumerate(terms or []):
-        tf = f"{field}.nodeSelectorTerms[{t}]"
-        for i, req in enumerate(term.get("matchExpressions") or []):
-            rf = f"{tf}.matchExpressions[{i}]"
-            op, values = req.get("operator"), req.get("values") or []
+        _node_selector_term(out, term, f"{field}.nodeSelectorTerms[{t}]")
+
+
+def _preferred_terms(out: _Out, preferred: Any, field: str) -> None:
+    for t, entry in enumerate(preferred or []):
+        tf = f"{field}[{t}]"
+        weight = entry.get("weight")
+        out.need(isinstance(weight, int) and not isinstance(weight, bool) and 1 <= weight <= 100,
+                 "pod.affinity.preferred", f"{tf}.weight", f"{weight!r} not in 1..100")
+        _node_selector_term(out, entry.get("preference") or {}, f"{tf}.preference")
+
+
+def _node_selector_term(out: _Out, term: Any, tf: str) -> None:
+    for i, req in enumerate(term.get("matchExpressions") or []):
+        rf = f"{tf}.matchExpressions[{i}]"
+        op, values = req.get("operator"), req.get("values") or []
+        out.need(
+            is_qualified_name(req.get("key")), "pod.affinity.terms", f"{rf}.key", "label name"
+        )
+        if op in ("In", "NotIn"):
+            out.need(bool(values), "pod.affinity.terms", f"{rf}.values", "required")
+        elif op in ("Exists", "DoesNotExist"):
+            out.need(not values, "pod.affinity.terms", f"{rf}.values", "must be empty")
+        elif op in ("Gt", "Lt"):
+            out.need(len(values) == 1, "pod.affinity.terms", f"{rf}.values", "one value")
+        else:
+            out.add("pod.affinity.terms", f"{rf}.operator", f"{op!r} is not an operator")
+        for v in values:
+            out.need(is_label_value(v), "pod.affinity.terms", f"{rf}.values", repr(v))
+    for i, req in enumerate(term.get("matchFields") or []):
+        rf = f"{tf}.matchFields[{i}]"
+        out.need(
+            req.get("key") == "metadata.name",
+            "pod.affinity.match-fields",
+            f"{rf}.key",
+            f"{req.get('key')!r} is not a valid field selector key",
+        )
+        out.need(
+            req.get("operator") in ("In", "NotIn"),
+            "pod.affinity.match-fields",
+            f"{rf}.operator",
+            repr(req.get("operator")),
+        )
+        values = req.get("values") or []
+        out.need(
+            len(values) == 1,
+            "pod.affinity.match-fields",
+            f"{rf}.values",
+            "Required value: must be only one value when `operator` is 'In' or 'NotIn' "
+            f"for node field selector (got {len(values)})",
+        )
+        for v in values:
             out.need(
-                is_qualified_name(req.get("key")), "pod.affinity.terms", f"{rf}.key", "label name"
+                is_dns1123_subdomain(v), "pod.affinity.match-fields", f"{rf}.values", repr(v)
             )
-            if op in ("In", "NotIn"):
-                out.need(bool(values), "pod.affinity.terms", f"{rf}.values", "required")
-            elif op in ("Exists", "DoesNotExist"):
-                out.need(not values, "pod.affinity.terms", f"{rf}.values", "must be empty")
-            elif op in ("Gt", "Lt"):
-                out.need(len(values) == 1, "pod.affinity.terms", f"{rf}.values", "one value")
-            else:
-                out.add("pod.affinity.terms", f"{rf}.operator", f"{op!r} is not an operator")
-            for v in values:
-                out.need(is_label_value(v), "pod.affinity.terms", f"{rf}.values", repr(v))
-        for i, req in enumerate(term.get("matchFields") or []):
-            rf = f"{tf}.matchFields[{i}]"
-            out.need(
-                req.get("key") == "metadata.name",
-                "pod.affinity.match-fields",
-                f"{rf}.key",
-                f"{req.get('key')!r} is not a valid field selector key",
-            )
-            out.need(
-                req.get("operator") in ("In", "NotIn"),
-                "pod.affinity.match-fields",
-                f"{rf}.operator",
-                repr(req.get("operator")),
-            )
-            values = req.get("values") or []
-            out.need(
-                len(values) == 1,
-                "pod.affinity.match-fields",
-                f"{rf}.values",
-                "Required value: must be only one value when `operator` is 'In' or 'NotIn' "
-                f"for node field selector (got {len(values)})",
-            )
-            for v in values:
-                out.need(
-                    is_dns1123_subdomain(v), "pod.affinity.match-fields", f"{rf}.values", repr(v)
-                )
 
 
 def _tolerations(out: _Out, tolerations: Any, field: str) -> None:
@@ -594,6 +612,13 @@ def pod_spec(out: _Out, spec: Mapping[str, Any], field: str) -> None:
     )
     if required is not None:
         _node_selector_terms(out, required, f"{field}.affinity.nodeAffinity.required")
+    _preferred_terms(
+        out,
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ),
+        f"{field}.affinity.nodeAffinity.preferred",
+    )
     _tolerations(out, spec.get("tolerations"), f"{field}.tolerations")
     sc = spec.get("securityContext") or {}
     for key in ("runAsUser", "runAsGroup"):

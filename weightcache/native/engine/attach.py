@@ -58,6 +58,7 @@ from ..shared.sharding import ShardingError, parse_rules
 from ..shared.transport import TransportError, get_transport
 from . import plancache
 from .gcpause import gc_paused
+from .loading import wait_bound, wait_while_loading
 
 log = logging.getLogger("weightcache.client")
 
@@ -393,11 +394,20 @@ def attach(
             except SecurityError as exc:
                 raise CacheSecurityError(str(exc)) from None
             path = derive_socket_path(directory, plan.identity, role)
-        with gc_paused():
-            state, nbytes, generation = _from_cache(
-                plan, path, mode=mode, tp_size=tp_size, tp_rank=tp_rank,
-                connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s,
-            )
+        cache_kw = dict(mode=mode, tp_size=tp_size, tp_rank=tp_rank,
+                        connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s)
+        try:
+            with gc_paused():
+                state, nbytes, generation = _from_cache(plan, path, **cache_kw)
+        except DaemonLoadingError:
+            # Scale-up: the daemon is still loading this rank; it will finish before a disk
+            # read beside it would (engine/loading.py). Only past the bound: disk.
+            bound, waited = wait_while_loading(path, wait_bound())
+            if not bound:
+                raise
+            log.info("weightcache: waited %.2f s for the daemon loading %s", waited, path)
+            with gc_paused():
+                state, nbytes, generation = _from_cache(plan, path, **cache_kw)
         source, reason = "cache", None
     except WeightCacheError as exc:
         generation = None
