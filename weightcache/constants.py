@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 GROUP = "weightcache.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -26,6 +28,8 @@ LABEL_NODE_RANK = f"{GROUP}/node-rank"
 ANN_EPOCH = f"{GROUP}/epoch"
 
 DEFAULT_SOCKET_ROOT = "/var/run/weightcache"
+# On disk (FHS /var/cache: regenerable, survives reboots), unlike the sockets' tmpfs /var/run.
+DEFAULT_WARMUP_ROOT = "/var/cache/weightcache"
 PLAN_KEY = "plan.json"
 DEFAULT_PLAN_PATH = "/etc/weightcache/plan.json"
 
@@ -44,6 +48,8 @@ ENV_FALLBACK = "WEIGHTCACHE_FALLBACK"
 ENV_CONNECT_TIMEOUT = "WEIGHTCACHE_CONNECT_TIMEOUT_S"
 ENV_STATE_TIMEOUT = "WEIGHTCACHE_STATE_TIMEOUT_S"
 ENV_CACHE = "WEIGHTCACHE_CACHE"
+# The per-cache compile directory of weightcache's own torch.compile helpers (engine side).
+ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
 
 # Environment of agent pods (downward API and plan path).
 ENV_CACHE_NAME = "WEIGHTCACHE_CACHE_NAME"
@@ -63,6 +69,10 @@ def default_socket_dir(namespace: str, name: str) -> str:
     return f"{DEFAULT_SOCKET_ROOT}/{namespace}/{name}"
 
 
+def default_warmup_dir(namespace: str, name: str) -> str:
+    return f"{DEFAULT_WARMUP_ROOT}/{namespace}/{name}"
+
+
 def agent_daemonset_name(name: str) -> str:
     return f"{name}-agent"
 
@@ -73,3 +83,14 @@ def rendezvous_service_name(name: str) -> str:
 
 def placement_configmap_name(name: str) -> str:
     return f"{name}-placement"
+
+
+def seed_secret_name(name: str) -> str:
+    return f"{name}-seed"
+
+
+def cleanup_job_name(name: str, node: str) -> str:
+    """One warmup-cache cleanup Job per node; cache and node are hashed into the name so it
+    stays a valid DNS label (<= 63) whatever the node's name is."""
+    digest = hashlib.sha256(f"{name}/{node}".encode()).hexdigest()[:12]
+    return f"{name[:40]}-cleanup-{digest}"

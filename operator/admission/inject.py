@@ -30,7 +30,7 @@ import jsonpatch
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, READY_VALUE
 from weightcache.errors import ProjectError
-from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
+from weightcache.operator.admission import fingerprint, loaderconfig, shellscript, warmupkey
 from weightcache.operator.admission.alignment import inject_alignment
 from weightcache.operator.admission.cacheview import CacheView
 from weightcache.operator.admission.cmdline import (
@@ -40,6 +40,7 @@ from weightcache.operator.admission.cmdline import (
 )
 
 SOCKET_VOLUME = "weightcache-sockets"
+WARMUP_VOLUME = "weightcache-warmup"
 LOAD_FORMAT = "ipc_cache"
 
 
@@ -318,6 +319,59 @@ def _inject_mount(spec: dict[str, Any], container: dict[str, Any], cache: CacheV
     container["volumeMounts"] = [*mounts, mount]
 
 
+def _inject_warmup(
+    spec: dict[str, Any], container: dict[str, Any], argv: Argv, cache: CacheView, res: Result
+) -> None:
+    """The node's warmup directory of this cache, read-write (engines add their own compile
+    caches), and the variables that point vLLM / torch at its identity subdirectory
+    (weightcache.contracts.warmup, the same the agent gives the daemons)."""
+    if cache.warmup_dir is None:
+        return
+    name = container.get("name")
+    path = cache.warmup_dir
+    volume = {"name": WARMUP_VOLUME, "hostPath": {"path": path, "type": "Directory"}}
+    volumes = list(spec.get("volumes") or [])
+    for v in volumes:
+        if v.get("name") == WARMUP_VOLUME:
+            if v != volume:
+                raise Denied(
+                    f"the pod already has a volume named {WARMUP_VOLUME!r} that is not the "
+                    f"cache's warmup directory {path}; rename that volume"
+                )
+            break
+    else:
+        spec["volumes"] = [*volumes, volume]
+    mounts = list(container.get("volumeMounts") or [])
+    for m in mounts:
+        if m.get("mountPath", "").rstrip("/") == path.rstrip("/"):
+            if m.get("name") != WARMUP_VOLUME:
+                raise Denied(
+                    f"container {name!r} already mounts volume {m.get('name')!r} at {path}, "
+                    f"where the cache's warmup directory must appear; move that mount"
+                )
+            break
+    else:
+        container["volumeMounts"] = [*mounts, {"name": WARMUP_VOLUME, "mountPath": path}]
+    env = list(container.get("env") or [])
+    given = {e.get("name"): e for e in env}
+    added = []
+    for key, value in cache.warmup_env:
+        if key not in given:
+            added.append({"name": key, "value": value})
+        elif given[key].get("value") != value:
+            res.mismatches.append(
+                f"container {name!r} sets {key} itself, not to the cache's warmup directory "
+                f"{value}: the engine will not find the daemon's autotune table or its own "
+                f"earlier compile cache; remove {key} and let the webhook set it"
+            )
+    if added:
+        container["env"] = env + added
+    if cache.runtime == "vllm":
+        if argv.kind != "none":
+            res.warnings += warmupkey.differences(argv.tokens, cache, name)
+        res.warnings += warmupkey.env_differences(env, name)
+
+
 def _inject_identity(
     spec: dict[str, Any], container: dict[str, Any], cache: CacheView, res: Result
 ) -> None:
@@ -504,6 +558,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
         inject_alignment(container, argv.tokens, cache, res)
     _check_mismatches(container, argv, cache, res)
     _inject_mount(spec, container, cache)
+    _inject_warmup(spec, container, argv, cache, res)
     _inject_identity(spec, container, cache, res)
     _inject_isolation(spec, container, cache, res)
     _inject_affinity(spec, cache)
