@@ -25,6 +25,10 @@ AGENT_APP = "weightcache-agent"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_CACHE = f"{GROUP}/cache"
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
+# Pods of the warmup-directory cleanup Jobs (never the agent app label: the operator watches
+# agent pods by it).
+CLEANUP_APP = "weightcache-cleanup"
+LABEL_CLEANUP = f"{GROUP}/cleanup"
 ANN_EPOCH = f"{GROUP}/epoch"
 
 DEFAULT_SOCKET_ROOT = "/var/run/weightcache"
@@ -89,8 +93,9 @@ def seed_secret_name(name: str) -> str:
     return f"{name}-seed"
 
 
-def cleanup_job_name(name: str, node: str) -> str:
-    """One warmup-cache cleanup Job per node; cache and node are hashed into the name so it
-    stays a valid DNS label (<= 63) whatever the node's name is."""
-    digest = hashlib.sha256(f"{name}/{node}".encode()).hexdigest()[:12]
+def cleanup_job_name(name: str, node: str, uid: str = "") -> str:
+    """One warmup-cache cleanup Job per node and cache object; the cache's uid and the node
+    are hashed into the name so it stays a valid DNS label (<= 63) whatever the node's name
+    is, and a re-created cache of the same name never collides with an earlier Job."""
+    digest = hashlib.sha256(f"{name}/{uid}/{node}".encode()).hexdigest()[:12]
     return f"{name[:40]}-cleanup-{digest}"

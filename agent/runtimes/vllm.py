@@ -47,6 +47,11 @@ OWNED_FLAGS = frozenset({
     "--max-model-len", "--speculative-config", "--load-format", "--headless",
     "--data-parallel-external-lb", "--data-parallel-hybrid-lb", "--data-parallel-backend", "-dpb",
     "--no-enable-expert-parallel",
+    # The seed channel between peer daemons (docs/warmup.md): its token must never be on argv
+    # (the agent logs argv, and vllm agent pods share the host's PID namespace), and `--config`
+    # could set any owned flag from a file.
+    "--seed-listen-host", "--seed-listen-port", "--seed-source-host", "--seed-source-port",
+    "--seed-token", "--config",
 })
 # vLLM normalises every *_mtp method to "mtp"; these draft methods get their own group.
 DRAFT_METHODS = frozenset({"mtp", "eagle", "eagle3"})
