@@ -496,8 +496,7 @@ def _check_warmup(spec: WeightCacheSpec) -> list[Problem]:
     warmup = spec.warmup
     problems = [
         Problem(f"spec.warmup.{key}", f"must be true or false: {value!r}")
-        for key, value in (("enabled", warmup.enabled), ("startupPlan", warmup.startup_plan),
-                           ("seed", warmup.seed))
+        for key, value in (("enabled", warmup.enabled), ("startupPlan", warmup.startup_plan))
         if not isinstance(value, bool)
     ]
     field = "spec.warmup.cacheDir"

@@ -399,12 +399,6 @@ class Warmup(_Object):
         "memory profiling when vLLM's fingerprint matches.",
         kind="boolean", default=True,
     )
-    seed: bool = prop(
-        "Runtime vllm: every daemon listens for seed requests of peer groups and a new "
-        "group adopts a ready peer's FlashInfer autotune tables (vLLM's --seed-* flags; "
-        "a no-op for world size 1 in vLLM 0.33).",
-        kind="boolean", default=True,
-    )
 
 
 @dataclass(frozen=True)
