@@ -16,6 +16,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,9 +98,8 @@ def prune(state: WarmupState, cache_dir: str) -> list[str]:
     return removed
 
 
-def tree_bytes(path: str) -> int:
-    """Bytes of the regular files under `path` (lstat only, symlinks never followed)."""
-    total = 0
+def _files(path: str) -> Iterator[tuple[str, os.stat_result]]:
+    """Every regular file under `path` with its lstat (symlinks never followed)."""
     stack = [path]
     while stack:
         try:
@@ -112,31 +112,20 @@ def tree_bytes(path: str) -> int:
                     if stat.S_ISDIR(st.st_mode):
                         stack.append(entry.path)
                     elif stat.S_ISREG(st.st_mode):
-                        total += st.st_size
+                        yield entry.path, st
         except OSError:
             continue
-    return total
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under `path`."""
+    return sum(st.st_size for _, st in _files(path))
 
 
 def autotune_tables(path: str) -> dict[str, tuple[int, int]]:
     """FlashInfer autotune tables under the identity dir: relative path -> (size, mtime_ns)."""
-    found: dict[str, tuple[int, int]] = {}
-    stack = [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(entry.path)
-                    elif stat.S_ISREG(st.st_mode) and _is_table(entry.path):
-                        found[os.path.relpath(entry.path, path)] = (st.st_size, st.st_mtime_ns)
-        except OSError:
-            continue
-    return found
+    return {os.path.relpath(p, path): (st.st_size, st.st_mtime_ns)
+            for p, st in _files(path) if _is_table(p)}
 
 
 def _is_table(path: str) -> bool:

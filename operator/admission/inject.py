@@ -291,29 +291,37 @@ def _inject_env(container: dict[str, Any], cache: CacheView, mode: str, fallback
 
 
 def _inject_mount(spec: dict[str, Any], container: dict[str, Any], cache: CacheView) -> None:
-    iso = ISOLATION[cache.runtime]
-    volume = {"name": SOCKET_VOLUME, "hostPath": {"path": cache.socket_dir, "type": "Directory"}}
+    _mount_host_dir(spec, container, SOCKET_VOLUME, cache.socket_dir,
+                    ISOLATION[cache.runtime].socket_read_only,
+                    "host socket directory", "the cache's sockets")
+
+
+def _mount_host_dir(spec: dict[str, Any], container: dict[str, Any], name: str, path: str,
+                    read_only: bool, what: str, contents: str) -> None:
+    """The hostPath `path` (type Directory) as volume `name`, mounted at the same path; a
+    volume of that name or a mount at that path that is something else is a denial."""
+    volume = {"name": name, "hostPath": {"path": path, "type": "Directory"}}
     volumes = list(spec.get("volumes") or [])
     for v in volumes:
-        if v.get("name") == SOCKET_VOLUME:
+        if v.get("name") == name:
             if v != volume:
                 raise Denied(
-                    f"the pod already has a volume named {SOCKET_VOLUME!r} that is not the "
-                    f"host socket directory {cache.socket_dir}; rename that volume"
+                    f"the pod already has a volume named {name!r} that is not the "
+                    f"{what} {path}; rename that volume"
                 )
             break
     else:
         spec["volumes"] = [*volumes, volume]
-    mount = {"name": SOCKET_VOLUME, "mountPath": cache.socket_dir}
-    if iso.socket_read_only:
+    mount = {"name": name, "mountPath": path}
+    if read_only:
         mount["readOnly"] = True
     mounts = list(container.get("volumeMounts") or [])
     for m in mounts:
-        if m.get("mountPath", "").rstrip("/") == cache.socket_dir.rstrip("/"):
-            if m.get("name") != SOCKET_VOLUME:
+        if m.get("mountPath", "").rstrip("/") == path.rstrip("/"):
+            if m.get("name") != name:
                 raise Denied(
                     f"container {container.get('name')!r} already mounts volume {m.get('name')!r} "
-                    f"at {cache.socket_dir}, where the cache's sockets must appear; move that mount"
+                    f"at {path}, where {contents} must appear; move that mount"
                 )
             return
     container["volumeMounts"] = [*mounts, mount]
@@ -328,30 +336,8 @@ def _inject_warmup(
     if cache.warmup_dir is None:
         return
     name = container.get("name")
-    path = cache.warmup_dir
-    volume = {"name": WARMUP_VOLUME, "hostPath": {"path": path, "type": "Directory"}}
-    volumes = list(spec.get("volumes") or [])
-    for v in volumes:
-        if v.get("name") == WARMUP_VOLUME:
-            if v != volume:
-                raise Denied(
-                    f"the pod already has a volume named {WARMUP_VOLUME!r} that is not the "
-                    f"cache's warmup directory {path}; rename that volume"
-                )
-            break
-    else:
-        spec["volumes"] = [*volumes, volume]
-    mounts = list(container.get("volumeMounts") or [])
-    for m in mounts:
-        if m.get("mountPath", "").rstrip("/") == path.rstrip("/"):
-            if m.get("name") != WARMUP_VOLUME:
-                raise Denied(
-                    f"container {name!r} already mounts volume {m.get('name')!r} at {path}, "
-                    f"where the cache's warmup directory must appear; move that mount"
-                )
-            break
-    else:
-        container["volumeMounts"] = [*mounts, {"name": WARMUP_VOLUME, "mountPath": path}]
+    _mount_host_dir(spec, container, WARMUP_VOLUME, cache.warmup_dir, False,
+                    "cache's warmup directory", "the cache's warmup directory")
     env = list(container.get("env") or [])
     given = {e.get("name"): e for e in env}
     added = []
