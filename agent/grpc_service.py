@@ -44,11 +44,13 @@ MAX_PATH = 4096
 
 
 class AgentService(agent_pb2_grpc.AgentServicer):
-    def __init__(self, cfg: AgentConfig, supervisor: Supervisor, alignment: Any = None) -> None:
+    def __init__(self, cfg: AgentConfig, supervisor: Supervisor, alignment: Any = None,
+                 warmup: Any = None) -> None:
         self.cfg = cfg
         self.supervisor = supervisor
         self.updater = AgentUpdater(supervisor.runtime)
         self.alignment = alignment  # weightcache.agent.alignment.ReportServer, or None
+        self.warmup = warmup  # weightcache.agent.warmup.WarmupState, or None
 
     def Status(self, request, context):
         snap = self.supervisor.snapshot()
@@ -70,6 +72,17 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 local_index=s.local_index, gpu_uuid=s.device.uuid, socket_path=s.socket_path,
                 state=_STATES[r.state], bytes=r.bytes, pid=r.pid, since=since, message=r.message,
             )
+        warm = self.warmup
+        if warm is not None:
+            with warm.lock:
+                out = reply.warmup_cache
+                out.path, out.identity, out.unsafe = warm.path, warm.identity, warm.unsafe
+                out.bytes = warm.bytes
+                out.bytes_by_kind.update(warm.bytes_by_kind)
+                out.hits.update(warm.hits)
+                out.misses.update(warm.misses)
+                if warm.scanned_at:
+                    out.scanned_at.FromNanoseconds(int(warm.scanned_at * 1e9))
         for m in self.alignment.recent() if self.alignment is not None else ():
             reply.alignment_misses.add(seq=m.seq, pod=m.pod, result=m.result, detail=m.detail,
                                        missed_ranks=m.missed_ranks)
@@ -111,12 +124,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
 class GrpcServer:
     def __init__(self, cfg: AgentConfig, supervisor: Supervisor, host: str, port: int,
-                 alignment: Any = None) -> None:
+                 alignment: Any = None, warmup: Any = None) -> None:
         self.supervisor = supervisor
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                   options=[("grpc.so_reuseport", 0)])
-        agent_pb2_grpc.add_AgentServicer_to_server(AgentService(cfg, supervisor, alignment),
-                                                  self.server)
+        agent_pb2_grpc.add_AgentServicer_to_server(
+            AgentService(cfg, supervisor, alignment, warmup), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -111,6 +111,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_RUNTIME
+    from weightcache.agent import warmup
+
+    warm = warmup.prepare(cfg)
+    runtime.warmup_root = warm.path or None
+    watch = warmup.Watch(warm, str(cfg.spec.warmup.cache_dir))
     reports = start_alignment(cfg, runtime.ranks())
     log.info("cache %s/%s (uid %s) node %s: node rank %d of %d, %d local rank(s) on %s, "
              "epoch %d, runtime %s", cfg.env.namespace, cfg.env.cache, cfg.plan.uid or "?",
@@ -130,10 +135,10 @@ def main(argv: list[str]) -> int:
             grpc_server.update_health()
 
     sup = Supervisor(cfg, runtime, policy, on_fatal=lambda code, why: stop.set(),
-                     on_change=on_change)
+                     on_change=on_change, on_launch=watch.launched)
     host = args.bind or cfg.env.pod_ip
     try:
-        registry = build_registry(cfg, sup)
+        registry = build_registry(cfg, sup, warm)
         registry.register(reports.collector())
         http = serve_http(host, cfg.ports["metrics"], registry, lambda: sup.alive, sup.ready)
     except OSError as exc:
@@ -141,7 +146,8 @@ def main(argv: list[str]) -> int:
         reports.stop()
         return EXIT_PORT
     try:
-        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"], alignment=reports)
+        grpc_server = GrpcServer(cfg, sup, host, cfg.ports["grpc"], alignment=reports,
+                                 warmup=warm)
     except OSError as exc:
         log.error("gRPC port %s:%d unavailable: %s", host, cfg.ports["grpc"], exc)
         http.shutdown()
@@ -160,6 +166,7 @@ def main(argv: list[str]) -> int:
     try:
         while not stop.wait(1.0):
             grpc_server.update_health()
+            watch.tick(sup.ready())
     finally:
         grpc_server.update_health()
         sup.stop()

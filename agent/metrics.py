@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from weightcache import __version__
 from weightcache.agent.config import AgentConfig
 from weightcache.agent.supervisor import Snapshot, State, Supervisor
+from weightcache.agent.warmup import WarmupState
 from weightcache.native.shared import protocol
 from weightcache.native.shared.fingerprint import FIELDS as FINGERPRINT_FIELDS
 
@@ -68,9 +69,11 @@ class _Accumulator:
 
 
 class AgentCollector(Collector):
-    def __init__(self, cfg: AgentConfig, supervisor: Supervisor) -> None:
+    def __init__(self, cfg: AgentConfig, supervisor: Supervisor,
+                 warm: WarmupState | None = None) -> None:
         self.cfg = cfg
         self.supervisor = supervisor
+        self.warm = warm
         self._acc = _Accumulator()
         self._lock = threading.Lock()
 
@@ -115,6 +118,8 @@ class AgentCollector(Collector):
                                         labels=CACHE_LABELS)
         agent_ready.add_metric(where, 1.0 if snap.ready else 0.0)
         yield agent_ready
+        if self.warm is not None:
+            yield from _warmup_metrics(self.warm, where)
         if self.supervisor.runtime.collect_stats():
             yield from self._daemon_stats(snap, where)
 
@@ -230,6 +235,29 @@ class AgentCollector(Collector):
             yield family
 
 
+def _warmup_metrics(warm: WarmupState, where: list[str]) -> Iterator[Metric]:
+    """The node's warmup directory (agent/warmup.py): bytes by kind, reuse of autotune tables."""
+    labels = [*CACHE_LABELS, "kind"]
+    size = GaugeMetricFamily("weightcache_warmup_cache_bytes",
+                             "Bytes in this cache's warmup directory on the node, by kind "
+                             "(vllm, flashinfer, triton, inductor, torch).", labels=labels)
+    hits = CounterMetricFamily("weightcache_warmup_cache_hits",
+                               "Warmup artifacts a daemon start found and reused, by kind.",
+                               labels=labels)
+    misses = CounterMetricFamily("weightcache_warmup_cache_misses",
+                                 "Warmup artifacts a daemon start had to write, by kind.",
+                                 labels=labels)
+    with warm.lock:
+        for kind, n in sorted(warm.bytes_by_kind.items()):
+            size.add_metric([*where, kind], float(n))
+        for kind in sorted(set(warm.hits) | set(warm.misses)):
+            hits.add_metric([*where, kind], float(warm.hits.get(kind, 0)))
+            misses.add_metric([*where, kind], float(warm.misses.get(kind, 0)))
+    yield size
+    yield hits
+    yield misses
+
+
 def _items(value: Any) -> list[tuple[Any, Any]]:
     return list(value.items()) if isinstance(value, dict) else []
 
@@ -247,8 +275,9 @@ def _num(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def build_registry(cfg: AgentConfig, supervisor: Supervisor) -> CollectorRegistry:
+def build_registry(cfg: AgentConfig, supervisor: Supervisor,
+                   warm: WarmupState | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(AgentCollector(cfg, supervisor))
+    registry.register(AgentCollector(cfg, supervisor, warm))
     ProcessCollector(registry=registry)
     return registry

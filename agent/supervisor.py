@@ -107,8 +107,10 @@ class Supervisor:
         policy: Policy | None = None,
         on_fatal: Callable[[int, str], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        on_launch: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_launch = on_launch
         self.runtime = runtime
         self.policy = policy or Policy()
         self.on_fatal = on_fatal
@@ -274,6 +276,8 @@ class Supervisor:
             return
         try:
             self._check_ports()
+            if self.on_launch is not None:
+                self.on_launch()
             # No preexec_fn in this threaded process: the launcher is started through a shim
             # that asks for SIGTERM should the agent die without stopping it (lifetime.py).
             self._child = subprocess.Popen(exiting_with_parent(argv), env=env,

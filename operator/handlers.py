@@ -14,7 +14,8 @@ Shape of the machinery:
   level refuses agents all give phase Failed with the reason and the server's message in the
   conditions, and a Warning event. Objects created in a pass that then fails are deleted again,
   so no half-built group is left behind.
-- deletion: kopf's finalizer holds the object until the owned objects and node labels are gone.
+- deletion: kopf's finalizer holds the object until the owned objects and node labels are gone;
+  one Job per node that held the cache removes its warmup directory (operator/cleanup.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from weightcache.operator import (
     agentstatus,
     agentupdate,
     alignment_events,
+    cleanup,
     events,
     podsecurity,
     resources,
@@ -763,8 +765,31 @@ class Controller:
         labels_by_node = {
             info.name: info.labels for store in nodes_index.values() for info in store
         }
+        label = constants.node_ready_label(namespace, name)
+        await self._clean_warmup(body, [n for n, lb in labels_by_node.items() if label in lb])
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ())
         self.forget((namespace, name))
+
+    async def _clean_warmup(self, body: Mapping[str, Any], labelled: list[str]) -> None:
+        """One Job per node that held the cache removes its warmup directory (operator/
+        cleanup.py). Never blocks the deletion: a refused Job is a Warning event."""
+        assert self.kube is not None
+        spec = WeightCacheSpec.from_object(body)
+        if spec.warmup.enabled is not True or validate(spec):
+            return
+        meta = body["metadata"]
+        status_ = dict(self.statuses.get((meta["namespace"], meta["name"]))
+                       or body.get("status") or {})
+        for node in cleanup.nodes_to_clean(status_, labelled):
+            job = cleanup.job(body, spec, node, self.options.agent)
+            try:
+                await self.kube.create(path("batch/v1", "jobs", meta["namespace"]), job)
+            except (ApiError, OSError, TimeoutError) as exc:
+                if isinstance(exc, ApiError) and exc.status == 409:
+                    continue  # this cache's Job for the node exists already
+                await self.event(body, "Warning", "CleanupFailed",
+                                 f"the warmup directory {spec.warmup.cache_dir} on node {node} "
+                                 f"is not removed: Job {job['metadata']['name']}: {exc}")
 
 
 def model_of(spec: WeightCacheSpec) -> dict[str, str]:

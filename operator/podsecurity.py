@@ -31,7 +31,7 @@ def enforced_level(namespace: Mapping[str, Any] | None) -> str:
 
 def agent_needs(runtime: str) -> list[str]:
     """What in an agent pod needs the `privileged` level (the checks `baseline` fails)."""
-    needs = ["a hostPath volume (the socket directory shared with engines)"]
+    needs = ["hostPath volumes (the socket and warmup directories shared with engines)"]
     if runtime == "vllm":
         needs.append("hostPID and hostIPC (stock vLLM CUDA IPC)")
     return needs
@@ -39,7 +39,7 @@ def agent_needs(runtime: str) -> list[str]:
 
 def engine_needs(runtime: str) -> list[str]:
     """What the webhook injects into engine pods that needs the `privileged` level."""
-    needs = ["a hostPath volume (the cache's socket directory)"]
+    needs = ["hostPath volumes (the cache's socket and warmup directories)"]
     if runtime == "vllm":
         needs.append("hostIPC (stock vLLM CUDA IPC)")
     return needs

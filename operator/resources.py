@@ -25,6 +25,7 @@ from weightcache.api.v1alpha1 import WeightCacheSpec
 from weightcache.contracts.plan import Plan
 
 ANN_PLAN_HASH = f"{constants.GROUP}/plan-hash"
+WARMUP_VOLUME = "warmup"
 AGENT_CONTAINER = "agent"
 PLAN_MOUNT_DIR = "/etc/weightcache"
 AGENT_LIB_DIR = "/opt/weightcache"
@@ -310,6 +311,16 @@ def daemonset(
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+    private_dirs = [socket_dir]
+    dir_mounts = [{"name": "sockets", "mountPath": socket_dir}]
+    warmup_dir = spec.warmup.cache_dir
+    if spec.warmup.enabled:
+        # The warmup caches (docs/warmup.md): on disk, shared with the engines of this cache.
+        volumes.append({"name": WARMUP_VOLUME,
+                        "hostPath": {"path": warmup_dir, "type": "DirectoryOrCreate"}})
+        mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
+        dir_mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
+        private_dirs.append(str(warmup_dir))
     init_containers = [
         {
             # hostPath directories are created root-owned; the daemons (and engines) run as
@@ -320,8 +331,9 @@ def daemonset(
             "command": [
                 "sh",
                 "-c",
-                f'chown {run_as.uid}:{run_as.gid} "$0" && chmod 0700 "$0"',
-                socket_dir,
+                'for d in "$0" "$@"; do '
+                f'chown {run_as.uid}:{run_as.gid} "$d" && chmod 0700 "$d" || exit 1; done',
+                *private_dirs,
             ],
             "securityContext": {
                 "runAsUser": 0,
@@ -330,7 +342,7 @@ def daemonset(
                 "readOnlyRootFilesystem": True,
                 "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
             },
-            "volumeMounts": [{"name": "sockets", "mountPath": socket_dir}],
+            "volumeMounts": dir_mounts,
         }
     ]
     if vllm:

@@ -136,6 +136,7 @@ def validate(spec: WeightCacheSpec | Mapping[str, Any]) -> list[Problem]:
     problems += _check_layout(full)
     problems += _check_ports(full)
     problems += _check_socket_dir(full.socket_dir)
+    problems += _check_warmup(full)
     problems += _check_engine(full)
     problems += _check_update_strategy(full)
     return problems
@@ -470,22 +471,49 @@ def _check_ports(spec: WeightCacheSpec) -> list[Problem]:
 
 
 def _check_socket_dir(socket_dir: Any) -> list[Problem]:
-    field = "spec.socketDir"
-    if not isinstance(socket_dir, str) or not posixpath.isabs(socket_dir):
-        return [
-            Problem(
-                field,
-                f"must be an absolute host path like /var/run/weightcache/NS/NAME: {socket_dir!r}",
-            )
-        ]
-    norm = posixpath.normpath(socket_dir)
-    if norm != socket_dir.rstrip("/") or ".." in socket_dir.split("/"):
+    return _check_host_dir(socket_dir, "spec.socketDir", "/var/run/weightcache/NS/NAME")
+
+
+def _check_host_dir(value: Any, field: str, example: str) -> list[Problem]:
+    """A private host directory of the cache: absolute, normal form, not a system path."""
+    if not isinstance(value, str) or not posixpath.isabs(value):
+        return [Problem(field, f"must be an absolute host path like {example}: {value!r}")]
+    norm = posixpath.normpath(value)
+    if norm != value.rstrip("/") or ".." in value.split("/"):
         return [Problem(field, f"write it in normal form ({norm}), without '..' or '//'")]
     if norm == "/" or any(_under(norm, reserved) for reserved in (*RESERVED_PATHS, "/etc")):
-        return [Problem(field, f"{socket_dir} is a system path; use /var/run/weightcache/NS/NAME")]
+        return [Problem(field, f"{value} is a system path; use {example}")]
     if _under(norm, posixpath.dirname(DEFAULT_PLAN_PATH)):
         return [Problem(field, "collides with the agent's plan directory")]
     return []
+
+
+def _check_warmup(spec: WeightCacheSpec) -> list[Problem]:
+    """The warmup directory holds code engines load: it must be the cache's alone, apart
+    from the sockets and the model (docs/warmup.md, "Trust")."""
+    if "warmup" in spec.malformed:
+        return [Problem("spec.warmup", "must be an object: {cacheDir: /var/cache/...}")]
+    warmup = spec.warmup
+    problems = [
+        Problem(f"spec.warmup.{key}", f"must be true or false: {value!r}")
+        for key, value in (("enabled", warmup.enabled), ("startupPlan", warmup.startup_plan))
+        if not isinstance(value, bool)
+    ]
+    field = "spec.warmup.cacheDir"
+    found = _check_host_dir(warmup.cache_dir, field, "/var/cache/weightcache/NS/NAME")
+    if found:
+        return problems + found
+    norm = posixpath.normpath(str(warmup.cache_dir))
+    others = [("spec.socketDir", spec.socket_dir)]
+    if "model" not in spec.malformed:
+        others.append(("spec.model.mountPath", spec.model.mount_path))
+    for name, other in others:
+        if isinstance(other, str) and posixpath.isabs(other):
+            o = posixpath.normpath(other)
+            if _under(norm, o) or _under(o, norm):
+                problems.append(Problem(field, f"{warmup.cache_dir} overlaps {name} {other}; "
+                                               "keep them apart"))
+    return problems
 
 
 def _check_engine(spec: WeightCacheSpec) -> list[Problem]:

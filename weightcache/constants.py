@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 GROUP = "weightcache.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -23,9 +25,15 @@ AGENT_APP = "weightcache-agent"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_CACHE = f"{GROUP}/cache"
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
+# Pods of the warmup-directory cleanup Jobs (never the agent app label: the operator watches
+# agent pods by it).
+CLEANUP_APP = "weightcache-cleanup"
+LABEL_CLEANUP = f"{GROUP}/cleanup"
 ANN_EPOCH = f"{GROUP}/epoch"
 
 DEFAULT_SOCKET_ROOT = "/var/run/weightcache"
+# On disk (FHS /var/cache: regenerable, survives reboots), unlike the sockets' tmpfs /var/run.
+DEFAULT_WARMUP_ROOT = "/var/cache/weightcache"
 PLAN_KEY = "plan.json"
 DEFAULT_PLAN_PATH = "/etc/weightcache/plan.json"
 
@@ -46,6 +54,8 @@ ENV_STATE_TIMEOUT = "WEIGHTCACHE_STATE_TIMEOUT_S"
 # How long an engine waits for a daemon that is still loading its rank before loading from disk.
 ENV_LOADING_WAIT = "WEIGHTCACHE_LOADING_WAIT_S"
 ENV_CACHE = "WEIGHTCACHE_CACHE"
+# The per-cache compile directory of weightcache's own torch.compile helpers (engine side).
+ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
 
 # Environment of agent pods (downward API and plan path).
 ENV_CACHE_NAME = "WEIGHTCACHE_CACHE_NAME"
@@ -65,6 +75,10 @@ def default_socket_dir(namespace: str, name: str) -> str:
     return f"{DEFAULT_SOCKET_ROOT}/{namespace}/{name}"
 
 
+def default_warmup_dir(namespace: str, name: str) -> str:
+    return f"{DEFAULT_WARMUP_ROOT}/{namespace}/{name}"
+
+
 def agent_daemonset_name(name: str) -> str:
     return f"{name}-agent"
 
@@ -75,3 +89,15 @@ def rendezvous_service_name(name: str) -> str:
 
 def placement_configmap_name(name: str) -> str:
     return f"{name}-placement"
+
+
+def seed_secret_name(name: str) -> str:
+    return f"{name}-seed"
+
+
+def cleanup_job_name(name: str, node: str, uid: str = "") -> str:
+    """One warmup-cache cleanup Job per node and cache object; the cache's uid and the node
+    are hashed into the name so it stays a valid DNS label (<= 63) whatever the node's name
+    is, and a re-created cache of the same name never collides with an earlier Job."""
+    digest = hashlib.sha256(f"{name}/{uid}/{node}".encode()).hexdigest()[:12]
+    return f"{name[:40]}-cleanup-{digest}"

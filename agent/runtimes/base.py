@@ -48,6 +48,8 @@ class Runtime(ABC):
 
     name: ClassVar[str]
     _model_override: str | None = None  # set by an in-place update (agent/update_rpc.py)
+    # The checked identity directory of the warmup caches (agent/warmup.py), or None.
+    warmup_root: str | None = None
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg

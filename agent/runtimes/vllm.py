@@ -32,6 +32,7 @@ from weightcache.agent import vllm_probe
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
 from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts import warmup
 from weightcache.contracts.vocabulary import ROLE_DRAFT, ROLE_TARGET
 
 # Flags the agent derives from the plan; an extraArgs entry naming one is a conflict.
@@ -46,6 +47,11 @@ OWNED_FLAGS = frozenset({
     "--max-model-len", "--speculative-config", "--load-format", "--headless",
     "--data-parallel-external-lb", "--data-parallel-hybrid-lb", "--data-parallel-backend", "-dpb",
     "--no-enable-expert-parallel",
+    # The seed channel between peer daemons (docs/warmup.md): its token must never be on argv
+    # (the agent logs argv, and vllm agent pods share the host's PID namespace), and `--config`
+    # could set any owned flag from a file.
+    "--seed-listen-host", "--seed-listen-port", "--seed-source-host", "--seed-source-port",
+    "--seed-token", "--config",
 })
 # vLLM normalises every *_mtp method to "mtp"; these draft methods get their own group.
 DRAFT_METHODS = frozenset({"mtp", "eagle", "eagle3"})
@@ -204,11 +210,17 @@ class VllmRuntime(Runtime):
         # Index i in the child is exactly devices[i]: vLLM's local rank == device index.
         # The agent's own packages reach it through PYTHONPATH inside the vLLM image; vLLM
         # must import only the image's packages, so the variable is not passed on.
-        return {
+        # The warmup caches go to the node's shared directory, where the injected engines
+        # look (weightcache.contracts.warmup); none of these variables enter vLLM's
+        # compile-cache key, so the daemon and the engines compile under the same key.
+        env: dict[str, str | None] = {
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "CUDA_VISIBLE_DEVICES": ",".join(d.uuid for d in self.cfg.devices),
             "PYTHONPATH": None,
         }
+        if self.warmup_root:
+            env.update(warmup.vllm_env(self.warmup_root))
+        return env
 
     def ranks(self) -> list[RankSpec]:
         cfg = self.cfg

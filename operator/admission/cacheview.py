@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts import warmup
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class CacheView:
     revision: str | None = None
     expert: bool = False
     extra_args: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    # The node's warmup directory: what is mounted, and what the engine's variables name.
+    warmup_dir: str | None = None  # None: spec.warmup.enabled is false
+    warmup_env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> CacheView:
@@ -62,4 +67,23 @@ class CacheView:
             revision=args.revision or None,
             expert=bool(spec.parallelism.expert),
             extra_args=tuple(str(a) for a in args.extra_args or ()),
+            max_model_len=args.max_model_len if isinstance(args.max_model_len, int) else None,
+            **_warmup(spec, obj),
         )
+
+
+def _warmup(spec: WeightCacheSpec, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The warmup directory and variables, for the model the group serves now (status.model
+    trails spec.model until an update succeeded), as the agent derives them from its plan."""
+    if spec.warmup.enabled is not True or not isinstance(spec.warmup.cache_dir, str):
+        return {}
+    served = (obj.get("status") or {}).get("model") or {}
+    if served.get("path"):
+        spec = spec.with_model(str(served["path"]), served.get("revision") or None)
+    uid = str((obj.get("metadata") or {}).get("uid") or "")
+    try:
+        root = warmup.identity_dir(spec, uid)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return {}  # an invalid spec: the operator reports it, nothing is mounted
+    return {"warmup_dir": spec.warmup.cache_dir,
+            "warmup_env": tuple(warmup.engine_env(spec, root).items())}

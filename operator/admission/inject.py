@@ -30,7 +30,7 @@ import jsonpatch
 from weightcache import constants as C
 from weightcache.contracts.vocabulary import MODES, NODE_LABEL_VALUES, READY_VALUE
 from weightcache.errors import ProjectError
-from weightcache.operator.admission import fingerprint, loaderconfig, shellscript
+from weightcache.operator.admission import fingerprint, loaderconfig, shellscript, warmupkey
 from weightcache.operator.admission.alignment import inject_alignment
 from weightcache.operator.admission.cacheview import CacheView
 from weightcache.operator.admission.cmdline import (
@@ -40,6 +40,7 @@ from weightcache.operator.admission.cmdline import (
 )
 
 SOCKET_VOLUME = "weightcache-sockets"
+WARMUP_VOLUME = "weightcache-warmup"
 LOAD_FORMAT = "ipc_cache"
 
 
@@ -290,32 +291,71 @@ def _inject_env(container: dict[str, Any], cache: CacheView, mode: str, fallback
 
 
 def _inject_mount(spec: dict[str, Any], container: dict[str, Any], cache: CacheView) -> None:
-    iso = ISOLATION[cache.runtime]
-    volume = {"name": SOCKET_VOLUME, "hostPath": {"path": cache.socket_dir, "type": "Directory"}}
+    _mount_host_dir(spec, container, SOCKET_VOLUME, cache.socket_dir,
+                    ISOLATION[cache.runtime].socket_read_only,
+                    "host socket directory", "the cache's sockets")
+
+
+def _mount_host_dir(spec: dict[str, Any], container: dict[str, Any], name: str, path: str,
+                    read_only: bool, what: str, contents: str) -> None:
+    """The hostPath `path` (type Directory) as volume `name`, mounted at the same path; a
+    volume of that name or a mount at that path that is something else is a denial."""
+    volume = {"name": name, "hostPath": {"path": path, "type": "Directory"}}
     volumes = list(spec.get("volumes") or [])
     for v in volumes:
-        if v.get("name") == SOCKET_VOLUME:
+        if v.get("name") == name:
             if v != volume:
                 raise Denied(
-                    f"the pod already has a volume named {SOCKET_VOLUME!r} that is not the "
-                    f"host socket directory {cache.socket_dir}; rename that volume"
+                    f"the pod already has a volume named {name!r} that is not the "
+                    f"{what} {path}; rename that volume"
                 )
             break
     else:
         spec["volumes"] = [*volumes, volume]
-    mount = {"name": SOCKET_VOLUME, "mountPath": cache.socket_dir}
-    if iso.socket_read_only:
+    mount = {"name": name, "mountPath": path}
+    if read_only:
         mount["readOnly"] = True
     mounts = list(container.get("volumeMounts") or [])
     for m in mounts:
-        if m.get("mountPath", "").rstrip("/") == cache.socket_dir.rstrip("/"):
-            if m.get("name") != SOCKET_VOLUME:
+        if m.get("mountPath", "").rstrip("/") == path.rstrip("/"):
+            if m.get("name") != name:
                 raise Denied(
                     f"container {container.get('name')!r} already mounts volume {m.get('name')!r} "
-                    f"at {cache.socket_dir}, where the cache's sockets must appear; move that mount"
+                    f"at {path}, where {contents} must appear; move that mount"
                 )
             return
     container["volumeMounts"] = [*mounts, mount]
+
+
+def _inject_warmup(
+    spec: dict[str, Any], container: dict[str, Any], argv: Argv, cache: CacheView, res: Result
+) -> None:
+    """The node's warmup directory of this cache, read-write (engines add their own compile
+    caches), and the variables that point vLLM / torch at its identity subdirectory
+    (weightcache.contracts.warmup, the same the agent gives the daemons)."""
+    if cache.warmup_dir is None:
+        return
+    name = container.get("name")
+    _mount_host_dir(spec, container, WARMUP_VOLUME, cache.warmup_dir, False,
+                    "cache's warmup directory", "the cache's warmup directory")
+    env = list(container.get("env") or [])
+    given = {e.get("name"): e for e in env}
+    added = []
+    for key, value in cache.warmup_env:
+        if key not in given:
+            added.append({"name": key, "value": value})
+        elif given[key].get("value") != value:
+            res.mismatches.append(
+                f"container {name!r} sets {key} itself, not to the cache's warmup directory "
+                f"{value}: the engine will not find the daemon's autotune table or its own "
+                f"earlier compile cache; remove {key} and let the webhook set it"
+            )
+    if added:
+        container["env"] = env + added
+    if cache.runtime == "vllm":
+        if argv.kind != "none":
+            res.warnings += warmupkey.differences(argv.tokens, cache, name)
+        res.warnings += warmupkey.env_differences(env, name)
 
 
 def _inject_identity(
@@ -513,6 +553,7 @@ def inject(pod: dict[str, Any], cache_obj: dict[str, Any] | CacheView | None) ->
         inject_alignment(container, argv.tokens, cache, res)
     _check_mismatches(container, argv, cache, res)
     _inject_mount(spec, container, cache)
+    _inject_warmup(spec, container, argv, cache, res)
     _inject_identity(spec, container, cache, res)
     _inject_isolation(spec, container, cache, res)
     _inject_affinity(spec, cache)

@@ -11,6 +11,8 @@ import jsonpatch
 import pytest
 
 from tests.admission import pods
+from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts import warmup
 from weightcache.testing.webhook import LocalWebhook, decode_patch
 
 SOCKETS = "weightcache-sockets"
@@ -43,6 +45,12 @@ def assert_common(pod: dict, cache: dict, container: int = 0, read_only: bool = 
     assert mounts == [want]
     assert c["securityContext"]["runAsUser"] == 1000
     assert c["securityContext"]["runAsGroup"] == 1000
+    # The warmup directory, read-write at the same path (docs/warmup.md).
+    warm = f"/var/cache/weightcache/{ns}/{name}"
+    assert [v for v in spec["volumes"] if v["name"] == "weightcache-warmup"] == [
+        {"name": "weightcache-warmup", "hostPath": {"path": warm, "type": "Directory"}}]
+    assert [m for m in c["volumeMounts"] if m["name"] == "weightcache-warmup"] == [
+        {"name": "weightcache-warmup", "mountPath": warm}]
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
@@ -174,6 +182,8 @@ def test_runtime_native_gets_env_not_flags(webhook: LocalWebhook, make_cache: An
     c = patched["spec"]["containers"][0]
     assert c["args"] == ["--checkpoint", "/models/llama-3.1-8b"]
     env = {e["name"]: e["value"] for e in c["env"]}
+    warm = warmup.identity_dir(WeightCacheSpec.from_object(cache), cache["metadata"]["uid"])
+    assert warm.startswith(f"/var/cache/weightcache/serving/{name}/")
     assert env == {
         "PYTHONUNBUFFERED": "1",
         "WEIGHTCACHE_SOCKET_DIR": f"/var/run/weightcache/serving/{name}",
@@ -182,6 +192,10 @@ def test_runtime_native_gets_env_not_flags(webhook: LocalWebhook, make_cache: An
         "WEIGHTCACHE_CONNECT_TIMEOUT_S": "2",
         "WEIGHTCACHE_STATE_TIMEOUT_S": "300",
         "WEIGHTCACHE_CACHE": name,
+        # torch's compile caches in the cache's warmup directory (docs/warmup.md)
+        "TORCHINDUCTOR_CACHE_DIR": f"{warm}/inductor",
+        "TRITON_CACHE_DIR": f"{warm}/triton",
+        "WEIGHTCACHE_COMPILE_DIR": f"{warm}/torch",
     }
     assert "hostIPC" not in patched["spec"]  # the VMM/memfd path needs only the socket dir
 

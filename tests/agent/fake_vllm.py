@@ -107,6 +107,17 @@ def main() -> int:
     if os.environ.get("FAKE_VLLM_ARGS_OUT"):
         with open(os.environ["FAKE_VLLM_ARGS_OUT"], "w") as f:
             json.dump(sys.argv[1:], f)
+    if os.environ.get("FAKE_VLLM_ENV_OUT"):
+        with open(os.environ["FAKE_VLLM_ENV_OUT"], "w") as f:
+            json.dump(dict(os.environ), f)
+    if os.environ.get("FAKE_VLLM_AUTOTUNE") and os.environ.get("VLLM_CACHE_ROOT"):
+        # Like vLLM's warmup: the per-rank table is written only when it had to tune.
+        table = os.path.join(os.environ["VLLM_CACHE_ROOT"], "flashinfer_autotune_cache",
+                             "0.7.2.post1", "90a", "c" * 64, "autotune_configs_dp0_rank0.json")
+        if not os.path.exists(table):
+            os.makedirs(os.path.dirname(table), exist_ok=True)
+            with open(table, "w") as f:
+                json.dump({"_metadata": {}, "tactics": [1, 2, 3]}, f)
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--speculative-config")

@@ -51,6 +51,10 @@ class Agent:
         plan = json.loads(json.dumps(plan))
         plan["spec"]["ports"] = self.ports
         plan["spec"]["socketDir"] = self.socket_dir
+        # Never the default /var/cache: each agent gets a private warmup directory.
+        warm = plan["spec"].setdefault("warmup", {})
+        warm.setdefault("cacheDir", str(self.sock_root / "w"))
+        self.warmup_dir = warm["cacheDir"]
         self.plan = plan
         self.plan_path = workdir / f"plan-{node}.json"
         self.plan_path.write_text(json.dumps(plan))

@@ -164,7 +164,11 @@ def test_passthrough_and_conflicts():
                          "--max-model-len", "4096"]
     assert cmd[-3:] == ["--trust-remote-code", "--seed", "7"]
     for bad in (["--tensor-parallel-size=2"], ["--load-format", "ipc_cache"], ["--nnodes", "2"],
-                ["--tensor_parallel_size", "2"], ["-dpb", "ray"]):
+                ["--tensor_parallel_size", "2"], ["-dpb", "ray"],
+                # the seed channel and vLLM's --config file (a token on argv is readable in
+                # the host's /proc of a hostPID pod)
+                ["--seed-token", "s3cr3t"], ["--seed_token=s3cr3t"], ["--config", "x.yaml"],
+                ["--seed-listen-port", "1"], ["--seed-source-host", "h"]):
         rt = runtime_for(make_plan(tensor=1, engine_args={"extraArgs": bad}))
         with pytest.raises(ConfigError, match="derives from the cache spec"):
             rt.command()

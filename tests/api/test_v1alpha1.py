@@ -82,3 +82,14 @@ specs = st.fixed_dictionaries(
 def test_parsing_a_rendered_spec_changes_nothing(raw):
     once = with_defaults(raw, "ns", "llama")
     assert with_defaults(once, "ns", "llama") == once
+
+
+def test_warmup_defaults_are_derived_once():
+    from weightcache.api.v1alpha1 import WeightCacheSpec
+
+    spec = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/m/x"}}, "ml", "c")
+    assert spec.to_dict()["warmup"] == {"enabled": True, "startupPlan": True,
+                                        "cacheDir": "/var/cache/weightcache/ml/c"}
+    kept = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/m/x"},
+                                      "warmup": {"cacheDir": "/data/wc"}}, "ml", "c")
+    assert kept.warmup.cache_dir == "/data/wc" and kept.warmup.enabled is True

@@ -349,13 +349,15 @@ def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():
     """Item 6: Pod Security baseline refuses agents (hostPath; vllm also host namespaces)."""
     native = _ds(["n1", "n2"])["spec"]["template"]["spec"]
     assert apirules.pod_security_violations(native, "privileged") == []
-    # The socket directory always; the model too when it is read from the node (the default).
+    # The socket and warmup directories always; the model too when it is read from the node
+    # (the default).
     assert apirules.pod_security_violations(native, "baseline") == [
         "hostPath volume 'sockets'",
         "hostPath volume 'model'",
+        "hostPath volume 'warmup'",
     ]
-    assert podsecurity.agent_needs("native") == ["a hostPath volume (the socket directory shared "
-                                                 "with engines)"]  # fmt: skip
+    assert podsecurity.agent_needs("native") == ["hostPath volumes (the socket and warmup "
+                                                 "directories shared with engines)"]  # fmt: skip
     cache = {"metadata": {"name": "v", "namespace": "ml", "uid": "u"}}
     spec = with_defaults({"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
                           "model": {"path": "/m"}}, "ml", "v")  # fmt: skip

@@ -262,6 +262,27 @@ async def test_delete_removes_everything(cluster, operator):
     assert await cluster.get(cm_url("llama")) is None
     for n in ("gpu-a", "gpu-b"):
         assert key not in (await cluster.get(f"/api/v1/nodes/{n}"))["metadata"].get("labels", {})
+    # The warmup directory: one cleanup Job per node that held the cache (operator/cleanup.py).
+    jobs = await cluster.list(f"/apis/batch/v1/namespaces/{NS}/jobs")
+    jobs = [j for j in jobs if j["metadata"]["labels"].get("weightcache.io/cleanup") == "llama"]
+    assert sorted(j["spec"]["template"]["spec"]["nodeName"] for j in jobs) == ["gpu-a", "gpu-b"]
+    warm = f"/var/cache/weightcache/{NS}/llama"
+    for j in jobs:
+        pod = j["spec"]["template"]["spec"]
+        assert pod["volumes"] == [{"name": "warmup-parent", "hostPath": {
+            "path": f"/var/cache/weightcache/{NS}", "type": "Directory"}}]
+        empty, remove = pod["initContainers"][0], pod["containers"][0]
+        assert empty["command"][-1] == warm and remove["command"][-1] == warm
+        assert empty["securityContext"]["runAsUser"] == 1000
+        assert remove["securityContext"]["runAsUser"] == 0
+        for c in (empty, remove):
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert j["spec"]["ttlSecondsAfterFinished"] > 0
+        assert "ownerReferences" not in j["metadata"]  # outlives its cache until the TTL
+    from tests.operator.test_failures import assert_chart_rbac_allows_every_operator_request
+
+    used = assert_chart_rbac_allows_every_operator_request(cluster.kmock)
+    assert ("create", "jobs") in used
 
 
 async def test_invalid_spec_is_reported_not_built(cluster, operator):

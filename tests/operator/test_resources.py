@@ -96,7 +96,9 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
     assert pod["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
     init = pod["initContainers"][0]
-    assert init["command"][-1] == "/var/run/weightcache/ml/llama"
+    # Both host directories of the cache are made the uid's, 0700: sockets and warmup caches.
+    assert init["command"][3:] == ["/var/run/weightcache/ml/llama",
+                                   "/var/cache/weightcache/ml/llama"]
     ann = ds["spec"]["template"]["metadata"]["annotations"]
     assert ann[constants.ANN_EPOCH] == "3"
     assert ann[resources.ANN_PLAN_HASH] == resources.plan_hash(doc)

@@ -377,6 +377,31 @@ class RunAs(_Object):
 
 
 @dataclass(frozen=True)
+class Warmup(_Object):
+    DESCRIPTION = (
+        "The per-node directory of the warmup and compile caches (FlashInfer autotune "
+        "tables, torch.compile / Inductor / Triton kernels, vLLM's startup plan) shared by "
+        "this cache's daemons and its engines, so an engine starts with what the daemon "
+        "tuned and with its own earlier compile artifacts (docs/warmup.md)."
+    )
+
+    enabled: bool = prop(
+        "Share the directory with the daemons and mount it into opted-in engine pods.",
+        kind="boolean", default=True,
+    )
+    cache_dir: str | None = prop(
+        "Absolute host directory, private to runAs.uid (0700); each model identity gets "
+        "its own subdirectory. Default: /var/cache/weightcache/<namespace>/<name>.",
+        kind="string", pattern="^/",
+    )
+    startup_plan: bool = prop(
+        "Set VLLM_ENABLE_STARTUP_PLAN=1 in vLLM engines: a restart on the same node skips "
+        "memory profiling when vLLM's fingerprint matches.",
+        kind="boolean", default=True,
+    )
+
+
+@dataclass(frozen=True)
 class WeightCacheSpec(_Object):
     DESCRIPTION = "The desired cache: one model, one layout, one group of nodes."
     REQUIRED = ("runtime", "model")
@@ -424,6 +449,7 @@ class WeightCacheSpec(_Object):
         "pods). Default: /var/run/weightcache/<namespace>/<name>.",
         kind="string", pattern="^/",
     )
+    warmup: Warmup = child(Warmup)
     engine: Engine = child(Engine)
     ports: Ports = child(Ports)
     resources: dict[str, Any] = prop(
@@ -454,6 +480,10 @@ class WeightCacheSpec(_Object):
                 and par.ranks_per_node:
             values["gpus_per_node"] = par.ranks_per_node
         values.setdefault("socket_dir", constants.default_socket_dir(namespace, name))
+        warmup = values.get("warmup", Warmup())
+        if warmup.cache_dir is None:
+            values["warmup"] = dataclasses.replace(
+                warmup, cache_dir=constants.default_warmup_dir(namespace, name))
         ports = values.get("ports", Ports())
         if ports.draft_rendezvous is None:
             # vLLM's own default: the draft group listens one above the main rendezvous.

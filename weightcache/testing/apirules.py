@@ -28,6 +28,7 @@ APIMACHINERY = "staging/src/k8s.io/apimachinery/pkg/util/validation/validation.g
 META = "staging/src/k8s.io/apimachinery/pkg/api/validation/objectmeta.go"
 META_V1 = "staging/src/k8s.io/apimachinery/pkg/apis/meta/v1/validation/validation.go"
 APPS = "pkg/apis/apps/validation/validation.go"
+BATCH = "pkg/apis/batch/validation/validation.go"
 EVENTS = "pkg/apis/core/validation/events.go"
 DS_UTIL = "pkg/controller/daemon/util/daemonset_util.go"
 PSA = "staging/src/k8s.io/pod-security-admission/policy"
@@ -169,6 +170,12 @@ RULES: dict[str, Rule] = {
             "spec.selector is required, non-empty and selects the template's labels; "
             "template restartPolicy Always",
             f"{APPS} ValidateDaemonSetSpec",
+        ),
+        Rule(
+            "job.spec",
+            "a Job's pod template has restartPolicy OnFailure or Never; backoffLimit and "
+            "ttlSecondsAfterFinished >= 0, activeDeadlineSeconds > 0",
+            f"{BATCH} ValidateJobSpec, validatePodTemplateSpec (restartPolicy)",
         ),
         Rule(
             "daemonset.update",
@@ -672,6 +679,22 @@ def _daemonset(out: _Out, obj: Mapping[str, Any]) -> None:
     pod_spec(out, template.get("spec") or {}, "spec.template.spec")
 
 
+def _job(out: _Out, obj: Mapping[str, Any]) -> None:
+    spec = obj.get("spec") or {}
+    template = spec.get("template") or {}
+    restart = (template.get("spec") or {}).get("restartPolicy")
+    out.need(restart in ("OnFailure", "Never"), "job.spec", "spec.template.spec.restartPolicy",
+             f"{restart!r}: a Job's pods must be OnFailure or Never")
+    for key, low in (("backoffLimit", 0), ("activeDeadlineSeconds", 1),
+                     ("ttlSecondsAfterFinished", 0)):
+        value = spec.get(key)
+        if value is not None:
+            out.need(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                     "job.spec", f"spec.{key}", f"{value!r} < {low}")
+    _labels(out, (template.get("metadata") or {}).get("labels"), "spec.template.metadata.labels")
+    pod_spec(out, template.get("spec") or {}, "spec.template.spec")
+
+
 def _service(out: _Out, obj: Mapping[str, Any]) -> None:
     spec = obj.get("spec") or {}
     ports = spec.get("ports") or []
@@ -839,12 +862,14 @@ def _weightcache(out: _Out, obj: Mapping[str, Any], schema: Mapping[str, Any] | 
                     out.add("crd.pruning", path, "not in the CRD schema: the API server prunes it")
 
 
-NAMESPACED = {"ConfigMap", "Service", "DaemonSet", "Pod", "Event", "WeightCache", "Secret"}
+NAMESPACED = {"ConfigMap", "Service", "DaemonSet", "Pod", "Event", "WeightCache", "Secret",
+              "Job"}
 CHECKS: dict[str, Callable[[_Out, Mapping[str, Any]], None]] = {
     "DaemonSet": _daemonset,
     "Service": _service,
     "ConfigMap": _configmap,
     "Event": _event,
+    "Job": _job,
     "Pod": lambda out, obj: pod_spec(out, obj.get("spec") or {}, "spec"),
 }
 

@@ -25,37 +25,51 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'weightcache/contracts/proto/agent.proto\x12\x14weightcache.agent.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8f\x02\n\x04Rank\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bglobal_rank\x18\x02 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\x05\x12\x13\n\x0blocal_index\x18\x05 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x06 \x01(\t\x12\x13\n\x0bsocket_path\x18\x07 \x01(\t\x12.\n\x05state\x18\x08 \x01(\x0e\x32\x1f.weightcache.agent.v1.RankState\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x0b\n\x03pid\x18\n \x01(\x05\x12)\n\x05since\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x0c \x01(\t\"\x0f\n\rStatusRequest\"\xfc\x02\n\x0eStatusResponse\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\x05\x12\x12\n\nnode_count\x18\x05 \x01(\x05\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0f\n\x07runtime\x18\x07 \x01(\t\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x0c\n\x04held\x18\t \x01(\x08\x12\x10\n\x08restarts\x18\n \x01(\x03\x12)\n\x05ranks\x18\x0b \x03(\x0b\x32\x1a.weightcache.agent.v1.Rank\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x0f\n\x07message\x18\r \x01(\t\x12=\n\x10\x61lignment_misses\x18\x0e \x03(\x0b\x32#.weightcache.agent.v1.AlignmentMiss\x12\x12\n\ngeneration\x18\x0f \x01(\x03\x12\x12\n\nmodel_path\x18\x10 \x01(\t\x12\x10\n\x08revision\x18\x11 \x01(\t\"_\n\rAlignmentMiss\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x0e\n\x06result\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x14\n\x0cmissed_ranks\x18\x05 \x01(\x05\" \n\x0eReleaseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"4\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1f\n\x0eRestartRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"C\n\x0fRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x96\x01\n\rUpdateRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x1e\n\x16pause_deadline_seconds\x18\x04 \x01(\x01\x12\x30\n\x05phase\x18\x05 \x01(\x0e\x32!.weightcache.agent.v1.UpdatePhase\"\x97\x02\n\x0eUpdateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x16\n\x0eseconds_staged\x18\x07 \x01(\x01\x12\x16\n\x0eseconds_paused\x18\x08 \x01(\x01\x12\x16\n\x0e\x65ngines_paused\x18\t \x01(\x05\x12\x0e\n\x06\x62roken\x18\n \x01(\x08\x12\x0f\n\x07tensors\x18\x0b \x03(\t\x12\x10\n\x08rollback\x18\x0c \x01(\x08\x12\x14\n\x0crollback_why\x18\r \x01(\t\x12\x13\n\x0brolled_back\x18\x0e \x01(\x08*\x9e\x01\n\x0bUpdatePhase\x12\x14\n\x10UPDATE_PHASE_ALL\x10\x00\x12\x18\n\x14UPDATE_PHASE_PREPARE\x10\x01\x12\x16\n\x12UPDATE_PHASE_PAUSE\x10\x02\x12\x17\n\x13UPDATE_PHASE_COMMIT\x10\x03\x12\x16\n\x12UPDATE_PHASE_ABORT\x10\x04\x12\x16\n\x12UPDATE_PHASE_WRITE\x10\x05*\x9d\x01\n\tRankState\x12\x1a\n\x16RANK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RANK_STATE_PENDING\x10\x01\x12\x16\n\x12RANK_STATE_LOADING\x10\x02\x12\x14\n\x10RANK_STATE_READY\x10\x03\x12\x15\n\x11RANK_STATE_FAILED\x10\x04\x12\x17\n\x13RANK_STATE_RELEASED\x10\x05\x32\xe1\x02\n\x05\x41gent\x12S\n\x06Status\x12#.weightcache.agent.v1.StatusRequest\x1a$.weightcache.agent.v1.StatusResponse\x12V\n\x07Release\x12$.weightcache.agent.v1.ReleaseRequest\x1a%.weightcache.agent.v1.ReleaseResponse\x12V\n\x07Restart\x12$.weightcache.agent.v1.RestartRequest\x1a%.weightcache.agent.v1.RestartResponse\x12S\n\x06Update\x12#.weightcache.agent.v1.UpdateRequest\x1a$.weightcache.agent.v1.UpdateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'weightcache/contracts/proto/agent.proto\x12\x14weightcache.agent.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8f\x02\n\x04Rank\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bglobal_rank\x18\x02 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\x05\x12\x13\n\x0blocal_index\x18\x05 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x06 \x01(\t\x12\x13\n\x0bsocket_path\x18\x07 \x01(\t\x12.\n\x05state\x18\x08 \x01(\x0e\x32\x1f.weightcache.agent.v1.RankState\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x0b\n\x03pid\x18\n \x01(\x05\x12)\n\x05since\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07message\x18\x0c \x01(\t\"\x0f\n\rStatusRequest\"\xb5\x03\n\x0eStatusResponse\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x11\n\tnode_rank\x18\x04 \x01(\x05\x12\x12\n\nnode_count\x18\x05 \x01(\x05\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x0f\n\x07runtime\x18\x07 \x01(\t\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x0c\n\x04held\x18\t \x01(\x08\x12\x10\n\x08restarts\x18\n \x01(\x03\x12)\n\x05ranks\x18\x0b \x03(\x0b\x32\x1a.weightcache.agent.v1.Rank\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x0f\n\x07message\x18\r \x01(\t\x12=\n\x10\x61lignment_misses\x18\x0e \x03(\x0b\x32#.weightcache.agent.v1.AlignmentMiss\x12\x12\n\ngeneration\x18\x0f \x01(\x03\x12\x12\n\nmodel_path\x18\x10 \x01(\t\x12\x10\n\x08revision\x18\x11 \x01(\t\x12\x37\n\x0cwarmup_cache\x18\x12 \x01(\x0b\x32!.weightcache.agent.v1.WarmupCache\"\xd1\x03\n\x0bWarmupCache\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12I\n\rbytes_by_kind\x18\x04 \x03(\x0b\x32\x32.weightcache.agent.v1.WarmupCache.BytesByKindEntry\x12.\n\nscanned_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06unsafe\x18\x06 \x01(\t\x12\x39\n\x04hits\x18\x07 \x03(\x0b\x32+.weightcache.agent.v1.WarmupCache.HitsEntry\x12=\n\x06misses\x18\x08 \x03(\x0b\x32-.weightcache.agent.v1.WarmupCache.MissesEntry\x1a\x32\n\x10\x42ytesByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a+\n\tHitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a-\n\x0bMissesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"_\n\rAlignmentMiss\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0b\n\x03pod\x18\x02 \x01(\t\x12\x0e\n\x06result\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x14\n\x0cmissed_ranks\x18\x05 \x01(\x05\" \n\x0eReleaseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"4\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1f\n\x0eRestartRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"C\n\x0fRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x96\x01\n\rUpdateRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x1e\n\x16pause_deadline_seconds\x18\x04 \x01(\x01\x12\x30\n\x05phase\x18\x05 \x01(\x0e\x32!.weightcache.agent.v1.UpdatePhase\"\x97\x02\n\x0eUpdateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x03\x12\x16\n\x0eseconds_staged\x18\x07 \x01(\x01\x12\x16\n\x0eseconds_paused\x18\x08 \x01(\x01\x12\x16\n\x0e\x65ngines_paused\x18\t \x01(\x05\x12\x0e\n\x06\x62roken\x18\n \x01(\x08\x12\x0f\n\x07tensors\x18\x0b \x03(\t\x12\x10\n\x08rollback\x18\x0c \x01(\x08\x12\x14\n\x0crollback_why\x18\r \x01(\t\x12\x13\n\x0brolled_back\x18\x0e \x01(\x08*\x9e\x01\n\x0bUpdatePhase\x12\x14\n\x10UPDATE_PHASE_ALL\x10\x00\x12\x18\n\x14UPDATE_PHASE_PREPARE\x10\x01\x12\x16\n\x12UPDATE_PHASE_PAUSE\x10\x02\x12\x17\n\x13UPDATE_PHASE_COMMIT\x10\x03\x12\x16\n\x12UPDATE_PHASE_ABORT\x10\x04\x12\x16\n\x12UPDATE_PHASE_WRITE\x10\x05*\x9d\x01\n\tRankState\x12\x1a\n\x16RANK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RANK_STATE_PENDING\x10\x01\x12\x16\n\x12RANK_STATE_LOADING\x10\x02\x12\x14\n\x10RANK_STATE_READY\x10\x03\x12\x15\n\x11RANK_STATE_FAILED\x10\x04\x12\x17\n\x13RANK_STATE_RELEASED\x10\x05\x32\xe1\x02\n\x05\x41gent\x12S\n\x06Status\x12#.weightcache.agent.v1.StatusRequest\x1a$.weightcache.agent.v1.StatusResponse\x12V\n\x07Release\x12$.weightcache.agent.v1.ReleaseRequest\x1a%.weightcache.agent.v1.ReleaseResponse\x12V\n\x07Restart\x12$.weightcache.agent.v1.RestartRequest\x1a%.weightcache.agent.v1.RestartResponse\x12S\n\x06Update\x12#.weightcache.agent.v1.UpdateRequest\x1a$.weightcache.agent.v1.UpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightcache.contracts.proto.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEPHASE']._serialized_start=1495
-  _globals['_UPDATEPHASE']._serialized_end=1653
-  _globals['_RANKSTATE']._serialized_start=1656
-  _globals['_RANKSTATE']._serialized_end=1813
+  _globals['_WARMUPCACHE_BYTESBYKINDENTRY']._loaded_options = None
+  _globals['_WARMUPCACHE_BYTESBYKINDENTRY']._serialized_options = b'8\001'
+  _globals['_WARMUPCACHE_HITSENTRY']._loaded_options = None
+  _globals['_WARMUPCACHE_HITSENTRY']._serialized_options = b'8\001'
+  _globals['_WARMUPCACHE_MISSESENTRY']._loaded_options = None
+  _globals['_WARMUPCACHE_MISSESENTRY']._serialized_options = b'8\001'
+  _globals['_UPDATEPHASE']._serialized_start=2020
+  _globals['_UPDATEPHASE']._serialized_end=2178
+  _globals['_RANKSTATE']._serialized_start=2181
+  _globals['_RANKSTATE']._serialized_end=2338
   _globals['_RANK']._serialized_start=99
   _globals['_RANK']._serialized_end=370
   _globals['_STATUSREQUEST']._serialized_start=372
   _globals['_STATUSREQUEST']._serialized_end=387
   _globals['_STATUSRESPONSE']._serialized_start=390
-  _globals['_STATUSRESPONSE']._serialized_end=770
-  _globals['_ALIGNMENTMISS']._serialized_start=772
-  _globals['_ALIGNMENTMISS']._serialized_end=867
-  _globals['_RELEASEREQUEST']._serialized_start=869
-  _globals['_RELEASEREQUEST']._serialized_end=901
-  _globals['_RELEASERESPONSE']._serialized_start=903
-  _globals['_RELEASERESPONSE']._serialized_end=955
-  _globals['_RESTARTREQUEST']._serialized_start=957
-  _globals['_RESTARTREQUEST']._serialized_end=988
-  _globals['_RESTARTRESPONSE']._serialized_start=990
-  _globals['_RESTARTRESPONSE']._serialized_end=1057
-  _globals['_UPDATEREQUEST']._serialized_start=1060
-  _globals['_UPDATEREQUEST']._serialized_end=1210
-  _globals['_UPDATERESPONSE']._serialized_start=1213
-  _globals['_UPDATERESPONSE']._serialized_end=1492
-  _globals['_AGENT']._serialized_start=1816
-  _globals['_AGENT']._serialized_end=2169
+  _globals['_STATUSRESPONSE']._serialized_end=827
+  _globals['_WARMUPCACHE']._serialized_start=830
+  _globals['_WARMUPCACHE']._serialized_end=1295
+  _globals['_WARMUPCACHE_BYTESBYKINDENTRY']._serialized_start=1153
+  _globals['_WARMUPCACHE_BYTESBYKINDENTRY']._serialized_end=1203
+  _globals['_WARMUPCACHE_HITSENTRY']._serialized_start=1205
+  _globals['_WARMUPCACHE_HITSENTRY']._serialized_end=1248
+  _globals['_WARMUPCACHE_MISSESENTRY']._serialized_start=1250
+  _globals['_WARMUPCACHE_MISSESENTRY']._serialized_end=1295
+  _globals['_ALIGNMENTMISS']._serialized_start=1297
+  _globals['_ALIGNMENTMISS']._serialized_end=1392
+  _globals['_RELEASEREQUEST']._serialized_start=1394
+  _globals['_RELEASEREQUEST']._serialized_end=1426
+  _globals['_RELEASERESPONSE']._serialized_start=1428
+  _globals['_RELEASERESPONSE']._serialized_end=1480
+  _globals['_RESTARTREQUEST']._serialized_start=1482
+  _globals['_RESTARTREQUEST']._serialized_end=1513
+  _globals['_RESTARTRESPONSE']._serialized_start=1515
+  _globals['_RESTARTRESPONSE']._serialized_end=1582
+  _globals['_UPDATEREQUEST']._serialized_start=1585
+  _globals['_UPDATEREQUEST']._serialized_end=1735
+  _globals['_UPDATERESPONSE']._serialized_start=1738
+  _globals['_UPDATERESPONSE']._serialized_end=2017
+  _globals['_AGENT']._serialized_start=2341
+  _globals['_AGENT']._serialized_end=2694
 # @@protoc_insertion_point(module_scope)

@@ -73,7 +73,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message", "alignment_misses", "generation", "model_path", "revision")
+    __slots__ = ("cache", "namespace", "node", "node_rank", "node_count", "epoch", "runtime", "ready", "held", "restarts", "ranks", "version", "message", "alignment_misses", "generation", "model_path", "revision", "warmup_cache")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class StatusResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_CACHE_FIELD_NUMBER: _ClassVar[int]
     cache: str
     namespace: str
     node: str
@@ -108,7 +109,49 @@ class StatusResponse(_message.Message):
     generation: int
     model_path: str
     revision: str
-    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ..., alignment_misses: _Optional[_Iterable[_Union[AlignmentMiss, _Mapping]]] = ..., generation: _Optional[int] = ..., model_path: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+    warmup_cache: WarmupCache
+    def __init__(self, cache: _Optional[str] = ..., namespace: _Optional[str] = ..., node: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., epoch: _Optional[int] = ..., runtime: _Optional[str] = ..., ready: _Optional[bool] = ..., held: _Optional[bool] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ..., version: _Optional[str] = ..., message: _Optional[str] = ..., alignment_misses: _Optional[_Iterable[_Union[AlignmentMiss, _Mapping]]] = ..., generation: _Optional[int] = ..., model_path: _Optional[str] = ..., revision: _Optional[str] = ..., warmup_cache: _Optional[_Union[WarmupCache, _Mapping]] = ...) -> None: ...
+
+class WarmupCache(_message.Message):
+    __slots__ = ("path", "identity", "bytes", "bytes_by_kind", "scanned_at", "unsafe", "hits", "misses")
+    class BytesByKindEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MissesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BY_KIND_FIELD_NUMBER: _ClassVar[int]
+    SCANNED_AT_FIELD_NUMBER: _ClassVar[int]
+    UNSAFE_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    identity: str
+    bytes: int
+    bytes_by_kind: _containers.ScalarMap[str, int]
+    scanned_at: _timestamp_pb2.Timestamp
+    unsafe: str
+    hits: _containers.ScalarMap[str, int]
+    misses: _containers.ScalarMap[str, int]
+    def __init__(self, path: _Optional[str] = ..., identity: _Optional[str] = ..., bytes: _Optional[int] = ..., bytes_by_kind: _Optional[_Mapping[str, int]] = ..., scanned_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., unsafe: _Optional[str] = ..., hits: _Optional[_Mapping[str, int]] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AlignmentMiss(_message.Message):
     __slots__ = ("seq", "pod", "result", "detail", "missed_ranks")
