@@ -47,9 +47,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightcache.constants import ENV_COMPILE_DIR
+
 log = logging.getLogger("weightcache.compile")
 
-ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
 ENV_INDUCTOR_DIR = "TORCHINDUCTOR_CACHE_DIR"
 KEY_SCHEMA = 1
 
