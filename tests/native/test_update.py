@@ -419,10 +419,11 @@ def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock
 
 
 def test_an_engine_registering_after_a_rank_broke_is_told(daemon, ckpt, ckpt_b, sock_dir):
-    """Broken before it registered: it gets the `broken` event at once, like the others."""
+    """Broken before it registered: it gets the `broken` event at once, like the others
+    (broken: an abort after the write with no rollback copy to write back)."""
     res = attach(ckpt, socket_dir=sock_dir, fallback=False)
     with raw_connect(daemon, 30) as c:
-        update = _stage(c, ckpt_b)
+        update = _stage(c, ckpt_b, rollback="off")
         _call(c, "update_pause", update=update, force=True)
         assert _call(c, "update_write", update=update)["ok"]
         assert _call(c, "update_abort", update=update)["phase"] == "broken"
