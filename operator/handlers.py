@@ -221,6 +221,10 @@ class Pass:
         return [node for node, pod in self.current.items() if pod.running and not pod.deleting]
 
 
+# Refusals of the checkpoint itself: trying the same target again cannot help, a new spec can.
+NO_RETRY = frozenset({"LayoutMismatch", "BadRevision", "Unsupported"})
+
+
 @dataclass
 class Options:
     """Operator-wide options (from `weightcache operator` flags)."""
@@ -231,6 +235,9 @@ class Options:
     # Ask ready agents for bytes cached over gRPC (optional detail; readiness never needs it).
     agent_status: bool = True
     agent_status_timeout_s: float = 1.0
+    # A refused or failed in-place update is tried again for the same target after this long
+    # (0: never, wait for a new spec), unless the checkpoint itself was refused (NO_RETRY).
+    update_retry_s: float = 300.0
 
 
 @dataclass
@@ -247,6 +254,8 @@ class Controller:
     alignment_seen: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     ranks: dict[CacheKey, dict[str, int]] = field(default_factory=dict)
     phases: dict[CacheKey, str] = field(default_factory=dict)
+    # Per cache: the update target last tried and when (monotonic seconds): the retry's clock.
+    update_tries: dict[CacheKey, tuple[str, float]] = field(default_factory=dict)
     node_summaries: dict[str, tuple] = field(default_factory=dict)
     last_reconcile: float = 0.0
     reconciles: int = 0
@@ -260,7 +269,7 @@ class Controller:
 
     def forget(self, key: CacheKey) -> None:
         for table in (self.triggers, self.statuses, self.ranks, self.phases, self.locks,
-                      self.alignment_seen):
+                      self.alignment_seen, self.update_tries):
             table.pop(key, None)
         self.metrics.set_phases(Counter(self.phases.values()))
         self.metrics.set_cache_phases(self.phases)
@@ -428,7 +437,8 @@ class Controller:
                 run.update_cond = self._nothing_to_update(run)
             return
         run.served, run.update_cond, updated = await self._update_in_place(
-            run.body, run.previous, run.spec, run.desired, run.served, run.current, run.ranks)
+            run.key, run.body, run.previous, run.spec, run.desired, run.served, run.current,
+            run.ranks)
         if run.served != run.desired:
             return
         run.generations = updated
@@ -519,8 +529,18 @@ class Controller:
                            f"spec.model is {served}, the revision the group serves: "
                            f"nothing to update (was {old.get('reason')})")
 
+    def _retry_due(self, key: CacheKey, target: str, reason: str | None) -> bool:
+        """Whether a refused or failed update to `target` may be tried again now. After an
+        operator restart the first pass tries at once (no clock survives it)."""
+        if reason in NO_RETRY or self.options.update_retry_s <= 0:
+            return False
+        tried = self.update_tries.get(key)
+        return (tried is None or tried[0] != target
+                or time.monotonic() - tried[1] >= self.options.update_retry_s)
+
     async def _update_in_place(
         self,
+        key: CacheKey,
         body: Mapping[str, Any],
         previous: Mapping[str, Any],
         spec: WeightCacheSpec,
@@ -529,7 +549,9 @@ class Controller:
         current: Mapping[str, PodInfo],
         ranks: Mapping[str, int],
     ) -> tuple[dict[str, str], status.Cond, dict[str, dict[str, Any]]]:
-        """Try the in-place update once per target revision, when the whole group is ready.
+        """Try the in-place update of a target revision when the whole group is ready; a
+        refused or failed try is repeated every `update_retry_s` (a paused engine, an
+        unreachable agent or a rollback can pass), never for a refused checkpoint (NO_RETRY).
 
         Returns the served revision, the Updating condition and the per-node generations."""
         old = next(
@@ -538,8 +560,9 @@ class Controller:
         )
         target = f"{desired['path']}@{desired['revision']}"
         if (old is not None and old.get("reason") not in ("Updated", "Recreated")
-                and f"update to {target} " in (old.get("message") or "")):
-            # Refused or failed for this very target: wait for a new spec, do not hammer.
+                and f"update to {target} " in (old.get("message") or "")
+                and not self._retry_due(key, target, old.get("reason"))):
+            # Refused or failed for this very target: wait for the retry or a new spec.
             return served, status.Cond(False, old["reason"], old["message"]), {}
         group_ready = len(current) == len(ranks) and all(
             p.ready and p.ip for p in current.values())
@@ -547,6 +570,7 @@ class Controller:
             return served, status.Cond(True, "WaitingForGroup",
                                   f"waiting for every node to be ready to update to {target}"), {}
         by_address = {f"{p.ip}:{spec.ports.grpc}": p for p in current.values()}
+        self.update_tries[key] = (target, time.monotonic())
         result = await agentupdate.update_group(list(by_address), desired["path"],
                                                 desired["revision"])
         if not result.ok:

@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
         help="memory request of agent containers without spec.resources.requests.memory",
     )
     p.add_argument("--resync-seconds", type=float, default=30.0, help="periodic reconcile")
+    p.add_argument("--update-retry-seconds", type=float, default=300.0,
+                   help="retry a refused or failed in-place update after this long (0: never; "
+                        "a refused layout or revision waits for a new spec)")
     p.add_argument(
         "--no-agent-status",
         action="store_true",
@@ -121,6 +124,7 @@ def options_from_args(args: argparse.Namespace) -> handlers.Options:
             },
         ),
         resync_s=args.resync_seconds,
+        update_retry_s=args.update_retry_seconds,
         agent_status=not args.no_agent_status,
     )
 

@@ -279,7 +279,8 @@ async def cluster(kmock, api_guard, tmp_path, monkeypatch) -> Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(resync_s: float = 1.0, extra: tuple[str, ...] = ("--standalone",)):
+async def running_operator(resync_s: float = 1.0, extra: tuple[str, ...] = ("--standalone",),
+                           update_retry_s: float = 300.0):
     """The operator in a thread with its own event loop, as in a real process.
 
     kopf cancels every task created after it started when it stops, so it cannot share the
@@ -287,7 +288,8 @@ async def running_operator(resync_s: float = 1.0, extra: tuple[str, ...] = ("--s
     """
     flags = ["--namespace", NS, "--no-scanning", "--no-webhook", "--metrics-port", "0"]
     args = main.parser().parse_args([*flags, "--health-port", "0", *extra])
-    ctl = handlers.Controller(options=handlers.Options(resync_s=resync_s, debounce_s=0.01))
+    ctl = handlers.Controller(options=handlers.Options(resync_s=resync_s, debounce_s=0.01,
+                                                       update_retry_s=update_retry_s))
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 

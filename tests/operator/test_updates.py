@@ -11,12 +11,13 @@ daemon.py of vLLM 0.33.0) restarts the group instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
 import pytest
 
-from tests.operator.conftest import NS, cache_url, eventually
+from tests.operator.conftest import NS, cache_url, eventually, running_operator
 from tests.operator.test_operator import cm_url, ds_url, phase_is
 from weightcache import constants as C
 from weightcache.contracts.proto import agent_pb2, agent_pb2_grpc
@@ -31,6 +32,7 @@ class Agent(agent_pb2_grpc.AgentServicer):
         self.calls: list[tuple[str, str]] = []
         self.generation = 1
         self.refuse = refuse
+        self.unpausable = 0  # PAUSE refusals left (an engine that cannot pause right now)
 
     async def Status(self, request, context):
         return agent_pb2.StatusResponse(cache="llama", ready=True, generation=self.generation)
@@ -42,6 +44,10 @@ class Agent(agent_pb2_grpc.AgentServicer):
             return agent_pb2.UpdateResponse(
                 ok=False, error="layout_mismatch", tensors=["model.embed_tokens.weight"],
                 message="1 tensors differ from the cached layout (a restart is needed)")
+        if phase == "PAUSE" and self.unpausable:
+            self.unpausable -= 1
+            return agent_pb2.UpdateResponse(ok=False, error="unpausable_engine",
+                                            message="engine pid 4242 did not pause")
         if phase in ("COMMIT", "ALL"):
             self.generation += 1
         return agent_pb2.UpdateResponse(ok=True, generation=self.generation,
@@ -256,3 +262,25 @@ async def test_plan_write_refused_after_an_update_still_reports_it(
         assert agent.calls == [("PREPARE", "/models/b"), ("PAUSE", "/models/b"),
                                ("WRITE", "/models/b"), ("COMMIT", "/models/b")]
     await eventually(lambda: _posted(cluster, "ApplyRejected"))
+
+
+async def test_a_passing_refusal_is_retried_a_refused_layout_is_not(cluster, agents):
+    """An engine that could not pause is asked again after the backoff (and the update goes
+    through); a layout the cache cannot take is never retried for the same target."""
+    port, (a, b) = agents
+    async with running_operator(update_retry_s=1.0):
+        await ready_group(cluster, spec(port))
+        b.unpausable = 1
+        await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2}, "spec": {
+            "model": {"path": "/models/b", "revision": "step-200"}}})
+        await eventually(lambda: _posted(cluster, "EngineCannotPause"))
+        status = await updating(cluster, "Updated")
+        assert status["model"] == {"path": "/models/b", "revision": "step-200"}
+        assert b.calls.count(("PAUSE", "/models/b")) == 2  # refused once, then the retry
+
+        a.calls.clear(), b.calls.clear()
+        await cluster.patch(cache_url("llama"), {"metadata": {"generation": 3}, "spec": {
+            "model": {"path": "/models/bad-layout", "revision": "x"}}})
+        await updating(cluster, "LayoutMismatch")
+        await asyncio.sleep(3.5)  # three backoffs and several resyncs
+        assert b.calls.count(("PREPARE", "/models/bad-layout")) == 1
