@@ -101,11 +101,13 @@ class Prefetcher:
                 os.close(fd)
 
     def stop(self) -> dict[str, Any]:
-        """Stop after the reads in flight; what was read (bytes, seconds)."""
+        """Stop after the reads in flight; what was read (bytes, seconds). Idempotent: the
+        seconds are taken at the first stop, so a second call reports the same figures."""
+        first = not self._stop.is_set()
         self._stop.set()
         for t in self._pool:
             t.join()
-        if self.started:
+        if self.started and first:
             self.seconds = time.perf_counter() - self.started
         return {"read_bytes": self.read_bytes, "skipped_bytes": self.skipped_bytes,
                 "seconds": round(self.seconds, 3)}
