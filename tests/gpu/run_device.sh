@@ -20,6 +20,13 @@ trap 'rm -f weightcache/agent weightcache/operator' EXIT
 SHIM=/tmp/wc-shim
 rm -rf "$SHIM"; mkdir -p "$SHIM"; ln -s "$ROOT/weightcache" "$SHIM/weightcache"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+# The content digest's hash (BLAKE3) is a wheel the device's python may lack: a carried copy
+# (`.wheels/`, run with carry: [".wheels"]) is unpacked onto the same path.
+if ! python3 -c "import blake3" 2>/dev/null; then
+  for w in "$ROOT"/.wheels/blake3-*.whl; do
+    [ -f "$w" ] && python3 -m zipfile -e "$w" "$SHIM"
+  done
+fi
 
 {
   echo "== environment $(date -u +%FT%TZ)"
@@ -30,7 +37,7 @@ export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 import importlib, sys, torch
 print("python", sys.version.split()[0], sys.executable)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
-for m in ("cuda.bindings", "safetensors", "msgpack", "pynvml", "numpy"):
+for m in ("cuda.bindings", "safetensors", "msgpack", "pynvml", "numpy", "blake3"):
     try:
         mod = importlib.import_module(m)
         print(m, getattr(mod, "__version__", "?"))

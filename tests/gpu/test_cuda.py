@@ -147,6 +147,30 @@ def test_coldload_into_cuda_matches_reference(small_model, tp, dtype, direct):
                                want[e.offset : e.offset + e.nbytes]), e.name
 
 
+@pytest.mark.parametrize("budget_chunks", [2, 1 << 20])
+def test_coldload_into_cuda_takes_early_reads(small_model, budget_chunks):
+    """Jobs read while a rank starts reach the device through the pinned buffers, same bytes
+    and same record as a fill that reads them itself."""
+    from weightcache.native.shared.earlyread import EarlyReads
+
+    ckpt = open_checkpoint(small_model)
+    layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+    want = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    load_into_arena(layout, want)
+    early = EarlyReads(ckpt.files, budget_chunks * MiB, chunk=MiB, threads=2).start()
+    early.join()
+    got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
+    stats = coldload.load_entries(list(layout.entries), got, threads=4, chunk=MiB,
+                                  digest=list(ckpt.files), early=early)
+    assert stats.early_bytes == early.taken_bytes == early.read_bytes > 0
+    assert stats.record == content.digest_files(ckpt.files)
+    early.close()
+    got = got.cpu()
+    for e in layout.entries:
+        assert torch.equal(got[e.offset : e.offset + e.nbytes],
+                           want[e.offset : e.offset + e.nbytes]), e.name
+
+
 @pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
 @pytest.mark.parametrize("mode", ["zero_copy", "copy"])
 def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transport, mode):

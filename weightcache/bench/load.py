@@ -21,8 +21,8 @@ loader, `weightcache preload` cold and warm with READY's phases, on the three la
 copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the checkpoint's files
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
 Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
-list of attach, restart, scaling (CUDA) and prefetch (READY cold again with the rank's
-torch-free prefetcher reading while torch imports: what start-up overlap saves).
+list of attach, restart, scaling (CUDA) and noearly (READY cold again with the rank's early
+reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what reading while the rank starts saves).
 """
 
 from __future__ import annotations
@@ -469,10 +469,10 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["loader_cold"] = _safe("loader cold", loader_runs, model_dir, cfgs, True)
     # READY cold on every layout: the cache must beat from_pretrained on each of them.
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
-    if full and (grid or "prefetch" in parts):  # reading while the rank imports torch
-        r["preload_cold_prefetch"] = _safe("preload cold, prefetch on", preload_once,
-                                              model_dir, files, True,
-                                              {"WEIGHTCACHE_LOAD_PREFETCH": "1"})
+    if full and (grid or "noearly" in parts):  # without reading while the rank starts
+        r["preload_cold_no_early"] = _safe("preload cold, early reads off", preload_once,
+                                           model_dir, files, True,
+                                           {"WEIGHTCACHE_LOAD_EARLY_MIB": "0"})
     g._warm(files)
     r["load_file_warm"] = _safe("load_file warm", load_file_once, files)
     r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)
@@ -513,6 +513,12 @@ def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
     return loads[0].get("phases")
 
 
+def _early(ready: dict[str, Any]) -> dict[str, Any] | None:
+    """What the (first) rank read while it started, and how much of it the fill took."""
+    loads = ready.get("rank_loads") or [{}]
+    return loads[0].get("early")
+
+
 def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     s: dict[str, Any] = {}
     cat, direct = _get(r, "cat_cold", "seconds"), _get(r, "direct_cold", "seconds")
@@ -537,11 +543,13 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         for key in ("load_file_cold", "from_pretrained_cold"):
             if s.get(f"{key}_s"):
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
-    pp = _get(r, "preload_cold_prefetch", "ready")
+    if pc:
+        s["preload_cold_early"] = _early(pc)
+    pp = _get(r, "preload_cold_no_early", "ready")
     if pp:
-        s["preload_cold_prefetch_ready_s"] = pp.get("seconds")
-        s["preload_cold_prefetch_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
-        s["preload_cold_prefetch_phases"] = _phases(pp)
+        s["preload_cold_no_early_ready_s"] = pp.get("seconds")
+        s["preload_cold_no_early_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
+        s["preload_cold_no_early_phases"] = _phases(pp)
     lw = _get(r, "loader_warm")
     if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
         s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]
@@ -552,6 +560,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
         s["preload_warm_ready_s"] = pw.get("seconds")
         s["preload_warm_phases"] = _phases(pw)
+        s["preload_warm_early"] = _early(pw)
     if _get(r, "attach", "attach_ms_median"):
         s["attach_ms_median"] = r["attach"]["attach_ms_median"]
         lf = s.get("load_file_warm_s")

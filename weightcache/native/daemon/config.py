@@ -23,10 +23,6 @@ from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_rules
 
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
-# Warm the page cache with the checkpoint while torch and CUDA start (prefetch.py); 1 = on.
-# Off by default: on the H200 VM with every cache dropped it competed with the imports' own
-# reads and made READY 1.1 s later (docs/performance.md).
-PREFETCH_ENV = "WEIGHTCACHE_LOAD_PREFETCH"
 
 
 class RankRefused(ProjectError):
@@ -53,6 +49,7 @@ class RankConfig:
     transport: str | None
     allowed_uids: tuple[int, ...]  # besides our own
     parent_pid: int | None
+    local_ranks: int = 1  # ranks the launcher runs on this node: they share the early reads' memory
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RankConfig:
@@ -71,6 +68,7 @@ class RankConfig:
             socket_dir=args.weight_cache_socket_dir, shard_rules=shard_rules(args),
             dtype=args.dtype, role=canonical_role(args.role), transport=args.transport,
             allowed_uids=tuple(args.allow_uid), parent_pid=args.parent_pid,
+            local_ranks=max(1, args.local_ranks),
         )
 
 
@@ -93,4 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=None)
     add_allow_uid_flag(p)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--local-ranks", type=int, default=1,
+                   help="ranks on this node (the early reads' host memory is shared by them)")
     return p

@@ -263,7 +263,11 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             len(ckpt.tensors), args.model, tp)
 
 
-def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
+# What READY carries of each rank's SERVING line (docs/native.md, "READY").
+RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early")
+
+
+def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1) -> list[str]:
     cmd = [
         *python_module("weightcache.native.daemon"),
         *shard_argv(args.model, args.tensor_parallel_size, args.dtype, shard_rules(args)),
@@ -273,6 +277,7 @@ def _rank_cmd(args: argparse.Namespace, place: LocalRank) -> list[str]:
         "--dp-rank", str(place.dp_rank),
         "--device", args.device,
         "--parent-pid", str(os.getpid()),
+        "--local-ranks", str(local_ranks),
     ]
     if args.weight_cache_socket_dir:
         cmd += ["--weight-cache-socket-dir", args.weight_cache_socket_dir]
@@ -371,7 +376,8 @@ def main(argv: list[str]) -> int:
             host, port = health.server_address[:2]
             _emit("HEALTH " + json.dumps({"url": f"http://{host}:{port}/health"}))
         for place in placements:
-            proc = subprocess.Popen(_rank_cmd(args, place), stdout=subprocess.PIPE, text=True,
+            proc = subprocess.Popen(_rank_cmd(args, place, len(placements)),
+                                    stdout=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL)
             r = Rank(place, proc)
             ranks.append(r)
@@ -408,8 +414,7 @@ def main(argv: list[str]) -> int:
                     "seconds": round(elapsed, 3),
                     "gb_per_s": float(f"{total / elapsed / 1e9:.4g}") if elapsed > 0 else None,
                     "load_seconds": [i.get("load_seconds") for i in infos],
-                    "rank_loads": [{k: i.get(k) for k in ("load_gb_per_s", "phases", "loader")}
-                                   for i in infos],
+                    "rank_loads": [{k: i.get(k) for k in RANK_LOAD_FIELDS} for i in infos],
                     "pids": [r.proc.pid for r in ranks],
                     "global_ranks": [r.place.global_rank for r in ranks],
                     "tp_ranks": [r.place.tp_rank for r in ranks],

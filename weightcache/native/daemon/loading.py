@@ -23,12 +23,12 @@ from weightcache.contracts.vocabulary import EXIT_ERROR
 from ..shared import content as content_mod
 from ..shared.checkpoint import Checkpoint
 from ..shared.coldload import LoadStats
+from ..shared.earlyread import EarlyReads
 from ..shared.loader import ArenaLayout, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
 from ..shared.transport import Arena, Transport, default_transport, get_transport
 from .config import BIND_DELAY_ENV, RankConfig, RankRefused
-from .prefetch import Prefetcher
 from .progress import Counter, PhaseClock, Ticker, emit
 
 log = logging.getLogger("weightcache.daemon")
@@ -48,11 +48,11 @@ class LoadedShard:
     device: torch.device
     load_seconds: float  # allocate + fill, as SERVING reports it
     loader: LoadStats
-    prefetched: dict[str, Any] | None
+    early: dict[str, Any] | None  # what the reads made while the rank started did
 
 
 def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: Path,
-         clock: PhaseClock, prefetcher: Prefetcher | None) -> LoadedShard:
+         clock: PhaseClock, early: EarlyReads | None) -> LoadedShard:
     device = open_device(config, clock)
     layout, fingerprint = plan(config, ckpt, rules)
     drop_stale_socket(socket)
@@ -62,13 +62,17 @@ def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: P
     arena = transport.allocate(layout.nbytes, device)
     try:
         clock.mark("allocate_seconds")
-        prefetched = prefetcher.stop() if prefetcher is not None else None
         # Every byte's digest comes from the fill's own reads (coldload hashes the buffers
-        # the bytes land in), bracketed by the files' identities taken before the first read.
+        # the bytes land in, or takes the early reads' jobs with their digests), bracketed
+        # by the files' identities taken before the first read.
         try:
-            loader = fill(config, layout, arena, device, ckpt.files)
+            loader = fill(config, layout, arena, device, ckpt.files, early)
         except content_mod.ContentError as exc:
             raise RankRefused(f"rank {config.tp_rank}: {exc}", EXIT_ERROR) from None
+        finally:
+            early_stats = early.stats() if early is not None else None
+            if early is not None:
+                early.close()  # its host memory back now, not when the rank exits
         clock.mark("fill_seconds")  # includes the digest
         record = loader.record or {}
         fingerprint = {**fingerprint, "content": content_mod.content_root(record)}
@@ -82,7 +86,7 @@ def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: P
         arena.close()
         raise
     return LoadedShard(arena, transport, layout, fingerprint, record, device, load_seconds,
-                       loader, prefetched)
+                       loader, early_stats)
 
 
 def open_device(config: RankConfig, clock: PhaseClock) -> torch.device:
@@ -123,7 +127,7 @@ def drop_stale_socket(path: Path) -> None:
 
 
 def fill(config: RankConfig, layout: ArenaLayout, arena: Arena, device: torch.device,
-         files: list[Path]) -> LoadStats:
+         files: list[Path], early: EarlyReads | None = None) -> LoadStats:
     """Read and digest the shard, reporting `LOADING {json}` every LOADING_INTERVAL_S."""
     done = Counter()
     started = time.monotonic()
@@ -143,7 +147,7 @@ def fill(config: RankConfig, layout: ArenaLayout, arena: Arena, device: torch.de
         share = config.tp_size > 1
         direct = None if os.environ.get("WEIGHTCACHE_LOAD_DIRECT") or not share else False
         loaded = load_into_arena(layout, arena.tensor(), progress=done.add, direct=direct,
-                                 digest=list(files), share=share)
+                                 digest=list(files), share=share, early=early)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:

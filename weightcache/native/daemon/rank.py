@@ -33,6 +33,7 @@ from weightcache.contracts.vocabulary import (
 
 from ..shared import limits
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
 from ..shared.security import (
     AlreadyRunningError,
@@ -43,16 +44,15 @@ from ..shared.security import (
     prepare_socket_dir,
 )
 from ..shared.sharding import ShardingError, ShardRule, parse_rules
-from .config import BIND_DELAY_ENV, PREFETCH_ENV, RankConfig, RankRefused, build_parser
+from .config import BIND_DELAY_ENV, RankConfig, RankRefused, build_parser
 from .lifetime import request_parent_death_signal
-from .prefetch import Prefetcher
 from .progress import PhaseClock, emit
 
 if TYPE_CHECKING:  # torch is imported only once this rank holds its socket's lock
     from .loading import LoadedShard
     from .server import RankServer
 
-__all__ = ["BIND_DELAY_ENV", "PREFETCH_ENV", "build_parser", "main", "run"]
+__all__ = ["BIND_DELAY_ENV", "build_parser", "main", "run"]
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -85,7 +85,7 @@ class _Held:
 
     path: Path
     lock: SocketLock
-    prefetcher: Prefetcher | None = None
+    early: EarlyReads | None = None
     shard: LoadedShard | None = None
     server: RankServer | None = None
     listener: socket.socket | None = None
@@ -94,8 +94,8 @@ class _Held:
         # From here on signals must not interrupt: the cleanup is what they ask for.
         _Serving.abandon = False
         _ignore_stop_signals()
-        if self.prefetcher is not None:
-            self.prefetcher.stop()
+        if self.early is not None:
+            self.early.close()
         _Serving.server = _Serving.listener = None
         if self.server is not None:
             self.server.shutdown()
@@ -123,10 +123,10 @@ def run(config: RankConfig) -> int:
         log.error("%s", exc)
         return exc.code
     try:
-        held.prefetcher = start_prefetch(ckpt)
+        held.early = start_early_reads(config, ckpt)
         from . import loading, server  # torch: only now that this rank holds its lock
 
-        held.shard = loading.load(config, ckpt, rules, held.path, clock, held.prefetcher)
+        held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
         held.server = server.serve_shard(held.shard, config, rules)
         held.listener = bind(config, held.path)
         announce(config, held.shard, held.path, clock)
@@ -177,11 +177,21 @@ def claim_socket(config: RankConfig) -> _Held:
     return _Held(Path(path), lock)
 
 
-def start_prefetch(ckpt: Checkpoint) -> Prefetcher | None:
-    """Warm the page cache while torch starts, when PREFETCH_ENV asks for it."""
-    if os.environ.get(PREFETCH_ENV, "0").strip().lower() in {"1", "true", "yes", "on"}:
-        return Prefetcher(ckpt.files).start()
-    return None
+def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None:
+    """Read and digest the first files while torch and the device start (earlyread.py).
+
+    Only a rank that reads whole files (tensor-parallel size 1): a tensor-parallel rank reads
+    its share, which takes the layout (and torch) to compute. Nothing when the budget is 0.
+    """
+    if config.tp_size > 1:
+        return None
+    try:
+        budget = default_budget(config.local_ranks)
+    except ValueError as exc:
+        raise RankRefused(str(exc)) from None
+    if budget <= 0:
+        return None
+    return EarlyReads(ckpt.files, budget).start()
 
 
 def bind(config: RankConfig, path: Path) -> socket.socket:
@@ -207,7 +217,7 @@ def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClo
         "load_seconds": round(seconds, 4),
         "load_gb_per_s": float(f"{layout.nbytes / seconds / 1e9:.4g}") if seconds > 0 else None,
         "phases": clock.phases,
-        "prefetch": shard.prefetched,
+        "early": shard.early,
         "loader": shard.loader.as_dict() if shard.loader is not None else None,
         "pid": os.getpid(),
         "content": shard.fingerprint["content"],

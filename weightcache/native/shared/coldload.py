@@ -26,6 +26,10 @@ checked again after the last read: a file replaced, rewritten or truncated durin
 raises ContentError naming it (never a record of bytes the arena does not hold, and never a
 SIGBUS: nothing here maps a file).
 
+Jobs that `earlyread.EarlyReads` read (and hashed) while the rank was still importing torch are
+taken from its host memory instead of the disk, when the files opened here are the very files
+it read (same identity).
+
 The same code fills a CPU arena (a memfd, or staging for an update): the buffers are then
 ordinary page-aligned memory and the copies synchronous.
 """
@@ -42,9 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
+from .earlyread import EarlyReads, cover_spans, grid_span, load_chunk, span_of
 from .residency import resident
 
 MiB = 1 << 20
@@ -93,6 +99,7 @@ class LoadStats:
     hash_seconds: float = 0.0  # content digest in the reader threads, summed over threads
     record: dict[str, Any] | None = None  # name -> content.FileDigest, with digest=files
     setup_seconds: float = 0.0  # slowest thread's set-up (pinned buffers, stream)
+    early_bytes: int = 0  # taken from the reads made while the rank started (earlyread)
     read_seconds: float = 0.0  # file reads, summed over threads
     wait_seconds: float = 0.0  # waiting for a buffer's copies to drain, summed over threads
 
@@ -116,6 +123,7 @@ class LoadStats:
             "read_seconds_sum": round(self.read_seconds, 3),
             "wait_seconds_sum": round(self.wait_seconds, 3),
             "hash_seconds_sum": round(self.hash_seconds, 3),
+            "early_bytes": self.early_bytes,
         }
 
 
@@ -206,20 +214,25 @@ def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = No
 def _cover(path: Path, size: int, pieces: list[Piece], chunk: int,
            chunks: set[int] | None = None) -> list[Job]:
     """Jobs reading [0, size) (or its `chunks`) on the chunk grid, with the pieces they hold."""
-    span = max(CHUNK_BYTES, chunk - chunk % CHUNK_BYTES)
+    span = grid_span(chunk)
     pieces = sorted(pieces, key=lambda p: p.file_offset)
     if chunks is None:
-        runs = [(0, max(size, 1))]
-    else:  # maximal runs of consecutive chunks, as byte ranges
-        runs = []
-        for index in sorted(chunks):
-            lo = index * CHUNK_BYTES
-            if runs and runs[-1][1] == lo:
-                runs[-1] = (runs[-1][0], lo + CHUNK_BYTES)
-            else:
-                runs.append((lo, lo + CHUNK_BYTES))
+        jobs = [Job(path, start, end, digest=True) for start, end in cover_spans(size, span)]
+        return _assign(jobs, pieces)
+    runs: list[tuple[int, int]] = []  # maximal runs of consecutive chunks, as byte ranges
+    for index in sorted(chunks):
+        lo = index * CHUNK_BYTES
+        if runs and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], lo + CHUNK_BYTES)
+        else:
+            runs.append((lo, lo + CHUNK_BYTES))
     jobs = [Job(path, start, min(size, start + span, hi), digest=True)
             for lo, hi in runs for start in range(lo, min(hi, max(size, 1)), span)]
+    return _assign(jobs, pieces)
+
+
+def _assign(jobs: list[Job], pieces: list[Piece]) -> list[Job]:
+    """Each piece's bytes to the jobs that read them (jobs and pieces in file order)."""
     index = 0
     for piece in pieces:
         pos, left, dst = piece.file_offset, piece.nbytes, piece.arena_offset
@@ -320,6 +333,20 @@ class _Reader:
             self.cached_bytes += got
         return buf, start - lo
 
+    def stage(self, data: Any) -> torch.Tensor:
+        """Copy bytes already in host memory (an early read) into the next free buffer."""
+        slot = self.turn
+        self.turn ^= 1
+        event = self.events[slot]
+        if event is not None:
+            t0 = time.perf_counter()
+            event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
+        buf = self.buffers[slot]
+        np.copyto(buf.numpy()[: len(data)], data)  # releases the GIL: threads copy in parallel
+        self.cached_bytes += len(data)
+        return buf
+
     def on_stream(self) -> contextlib.AbstractContextManager:
         if self.stream is None:
             return contextlib.nullcontext()
@@ -332,11 +359,6 @@ class _Reader:
         event = torch.cuda.Event()
         event.record(self.stream)
         self.events[slot] = event
-
-
-def span_of(chunk: int) -> int:
-    """File bytes one read may cover so that its page-aligned extent fits in `chunk`."""
-    return chunk - 2 * PAGE
 
 
 def _read_fully(fd: int, view: memoryview, offset: int) -> int:
@@ -376,12 +398,29 @@ def copy_entry(raw: torch.Tensor, entry: Any, dst: torch.Tensor) -> None:
     dst.view(entry.dtype).view(spec.shape).copy_(value, non_blocking=True)
 
 
-def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | None) -> None:
+def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | None,
+             early: EarlyReads | None = None) -> int:
+    """Run one job; the bytes it took from the early reads."""
     if job.entry is None:
         if job.start == job.end:  # an empty file: its one chunk is empty
             if job.digest and sink is not None:
                 sink.add(job.path, 0, b"")
-            return
+            return 0
+        found = early.take(job.path, job.start, job.end) if early is not None and job.digest \
+            and sink is not None else None
+        if found is not None:  # read and hashed while the rank started: copy, no disk, no hash
+            data, digests = found
+            buf = reader.stage(data)
+            del data
+            with reader.on_stream():
+                for piece in job.pieces:
+                    at = piece.file_offset - job.start
+                    dst = flat[piece.arena_offset : piece.arena_offset + piece.nbytes]
+                    dst.copy_(buf[at : at + piece.nbytes], non_blocking=True)
+            assert sink is not None
+            sink.put(job.path, job.start // CHUNK_BYTES, digests)
+            reader.done(buf)
+            return job.end - job.start
         buf, skip = reader.read(job.path, job.start, job.end)
         with reader.on_stream():
             for piece in job.pieces:
@@ -394,7 +433,7 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
             sink.add(job.path, job.start // CHUNK_BYTES, data)
             reader.hash_seconds += time.perf_counter() - t0
         reader.done(buf)
-        return
+        return 0
     entry = job.entry
     src = entry.source
     with reader.on_stream():
@@ -412,6 +451,7 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
     with reader.on_stream():
         copy_entry(staged, entry, flat[entry.offset : entry.offset + entry.nbytes])
         del staged
+    return 0
 
 
 def _job_nbytes(job: Job) -> int:
@@ -445,6 +485,7 @@ def load_entries(
     progress: Callable[[int], None] | None = None,
     digest: list[Path | str] | None = None,
     share: bool = False,
+    early: EarlyReads | None = None,
 ) -> LoadStats:
     """Fill the arena `flat` (uint8, 1-D; CUDA or CPU) with loader `Entry` objects.
 
@@ -453,7 +494,8 @@ def load_entries(
     the arena bytes of each finished read as they are queued to the device. With `digest`
     (the checkpoint's files), those files are read whole and `stats.record` is their content
     record, from the same pass; with `share`, only the chunks the entries read (a
-    tensor-parallel rank's share, `share_chunks`). Raises ContentError when a file changed
+    tensor-parallel rank's share, `share_chunks`). With `early` (whole files only), the jobs
+    it holds come from its memory. Raises ContentError when a file changed
     under the load; an exception in the caller's thread (a signal's) stops every reader
     before it propagates.
     Returns what was moved and how fast.
@@ -463,7 +505,7 @@ def load_entries(
     # A CPU arena has no copy engine to keep busy: a few readers per core are enough.
     default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * (os.cpu_count() or 2))
     threads = threads or int(os.environ.get("WEIGHTCACHE_LOAD_THREADS", default))
-    chunk = chunk or int(os.environ.get("WEIGHTCACHE_LOAD_CHUNK_MIB", DEFAULT_CHUNK // MiB)) * MiB
+    chunk = chunk or load_chunk()  # the early reads cut their jobs with the same size
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
     mode = direct_mode(os.environ.get("WEIGHTCACHE_LOAD_DIRECT") if direct is None else direct)
     if not hasattr(os, "O_DIRECT"):
@@ -471,7 +513,10 @@ def load_entries(
     opened: dict[Path, int] = {}
     try:
         sink = _open_files(entries, digest, opened, share)
-        return _load(entries, flat, threads, chunk, mode, progress, sink, opened)
+        if early is not None:
+            early.accept({p: FileIdentity.of(os.fstat(fd)) for p, fd in opened.items()}
+                         if sink is not None and sink.coverage is None else {})
+        return _load(entries, flat, threads, chunk, mode, progress, sink, opened, early)
     finally:
         for fd in opened.values():
             os.close(fd)
@@ -515,7 +560,7 @@ def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:
 
 def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode: bool | str,
           progress: Callable[[int], None] | None, sink: ChunkSink | None,
-          opened: dict[Path, int]) -> LoadStats:
+          opened: dict[Path, int], early: EarlyReads | None = None) -> LoadStats:
     stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
@@ -527,6 +572,8 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
                    for j in jobs), default=0)
     chunk = max(4 * PAGE, largest + (-largest) % PAGE + 2 * PAGE)
     stats.staged_tensors = sum(1 for j in jobs if j.entry is not None)
+    if early is not None:
+        jobs = _interleave(jobs, early)
     t0 = time.perf_counter()
     work: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
     for job in jobs:
@@ -536,6 +583,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
         work.put(None)
     errors: list[BaseException] = []
     readers: list[_Reader] = []
+    taken: list[int] = []
     lock = threading.Lock()
     device = flat.device
 
@@ -545,15 +593,18 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             reader = _Reader(device, chunk, mode, opened)
+            took = 0
             while True:
                 job = work.get()
                 if job is None or errors:
                     break
-                _run_job(reader, job, flat, sink)
+                took += _run_job(reader, job, flat, sink, early)
                 if progress is not None:
                     progress(_job_nbytes(job))
             if reader.stream is not None:
                 reader.stream.synchronize()
+            with lock:
+                taken.append(took)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -584,12 +635,32 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     stats.read_seconds = sum(r.read_seconds for r in readers)
     stats.wait_seconds = sum(r.wait_seconds for r in readers)
     stats.hash_seconds = sum(r.hash_seconds for r in readers)
+    stats.early_bytes = sum(taken)
     if errors:
         raise errors[0]
     if sink is not None:
         _check_unchanged(sink, opened)
         stats.record = sink.record()
     return stats
+
+
+def _interleave(jobs: list[Job], early: EarlyReads) -> list[Job]:
+    """The disk's jobs in their order, with the early-read ones spread evenly among them: the
+    disk stays busy from the first moment, and the memory copies fill its waits."""
+    held = [j for j in jobs if j.entry is None and early.holds(j.path, j.start, j.end)]
+    if not held:
+        return jobs
+    rest = [j for j in jobs if not (j.entry is None and early.holds(j.path, j.start, j.end))]
+    out: list[Job] = []
+    step = len(rest) / len(held)
+    k = 0
+    for i, job in enumerate(rest):
+        while k < len(held) and k * step <= i:
+            out.append(held[k])
+            k += 1
+        out.append(job)
+    out.extend(held[k:])
+    return out
 
 
 def load_layout(layout: Any, flat: torch.Tensor, **kwargs: Any) -> LoadStats:

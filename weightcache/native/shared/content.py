@@ -2,10 +2,15 @@
 
 Headers alone say nothing about values: a fine-tune, an RL step or a new revision written
 over the same path has the same names, dtypes and shapes as the weights a daemon holds. So the
-daemon digests every byte of every file while it loads them (it reads them anyway): SHA-256
-(cut to 16 bytes; hashlib releases the GIL and uses the CPU's SHA instructions, 2-3x faster
-than blake2b where measured) of each CHUNK_BYTES chunk, computed by a thread pool beside
-the load. The record of a file is those chunk digests, its root (a digest
+daemon digests every byte of every file while it loads them (it reads them anyway): BLAKE3
+cut to 16 bytes (`blake3-128`) of each CHUNK_BYTES chunk, hashed by the loader's reader threads
+from the buffers the bytes land in. BLAKE3 because the digest sits on the load's critical path
+and must resist constructed collisions (another tenant's checkpoint must never pass for
+ours): measured per core it ran 2.5-4x SHA-256 with SHA instructions (docs/performance.md),
+and it releases the GIL. Without the `blake3` wheel the same record uses SHA-256 cut to 16
+bytes (`sha256-128`); the hash is named in every record and claim, so two sides that differ
+refuse the claim (a disk load, never a false match). The record of a file is those chunk
+digests, its root (a digest
 of the chunk digests and the size) and the file's identity (st_dev, st_ino, size, mtime_ns,
 ctime_ns) taken before and checked after reading.
 
@@ -44,9 +49,15 @@ from weightcache.errors import ProjectError
 
 from .checkpoint import CheckpointError, open_checkpoint
 
+try:  # the `native` extra installs it; without it the slower standard-library hash
+    from blake3 import blake3 as _blake3
+except ImportError:  # pragma: no cover - exercised where the wheel is missing
+    _blake3 = None
+
 CHUNK_BYTES = 256 * 1024
 DIGEST_BYTES = 16
-HASH = "sha256-128"  # named in every record and claim: another hash is another identity
+# Named in every record and claim: another hash is another identity.
+HASH = "blake3-128" if _blake3 is not None else "sha256-128"
 SAMPLES_PER_FILE = 2  # at least this many chunks of every file (all of a smaller file)
 SAMPLES_TOTAL = 8  # at least this many chunks over the whole checkpoint
 MAX_FILES = 4096  # a claim naming more files is refused (bounded client-supplied state)
@@ -108,6 +119,8 @@ class FileDigest:
 
 
 def chunk_digest(data: bytes | memoryview) -> bytes:
+    if _blake3 is not None:
+        return _blake3(data).digest(DIGEST_BYTES)
     return hashlib.sha256(data).digest()[:DIGEST_BYTES]
 
 
@@ -146,6 +159,12 @@ class ChunkSink:
             out[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES] = chunk_digest(
                 view[at : at + step])
             seen[index] = 1
+
+    def put(self, path: Path, first: int, digests: bytes) -> None:
+        """Chunk digests made elsewhere from the same bytes (`earlyread`), from chunk `first`."""
+        count = len(digests) // DIGEST_BYTES
+        self._chunks[path][first * DIGEST_BYTES : (first + count) * DIGEST_BYTES] = digests
+        self._seen[path][first : first + count] = b"\x01" * count
 
     def record(self) -> dict[str, FileDigest]:
         out: dict[str, FileDigest] = {}

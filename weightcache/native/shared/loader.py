@@ -228,6 +228,7 @@ def load_into_arena(
     direct: bool | str | None = None,
     digest: list[Any] | None = None,
     share: bool = False,
+    early: Any = None,
 ) -> LoadStats:
     """Read each tensor's part from its file into `flat` (uint8, at least layout.nbytes).
 
@@ -237,12 +238,13 @@ def load_into_arena(
     called with the arena bytes of each piece as it is filled; `direct` is the O_DIRECT mode
     (None: `WEIGHTCACHE_LOAD_DIRECT`, default auto); `digest` (the checkpoint's files) makes
     the returned stats carry their content record, from the same pass (with `share`, of the
-    chunks this layout reads only: a tensor-parallel rank's record).
+    chunks this layout reads only: a tensor-parallel rank's record); `early` (an
+    `earlyread.EarlyReads`) supplies jobs read while the rank started.
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < layout.nbytes:
         raise ArenaLayoutError(f"arena must be a flat uint8 tensor of >= {layout.nbytes} bytes")
     return load_layout(layout, flat, progress=progress, direct=direct, digest=digest,
-                       share=share)
+                       share=share, early=early)
 
 
 def tensors_from_table(

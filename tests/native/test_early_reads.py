@@ -1,0 +1,149 @@
+"""Reads made while a rank starts are used by the fill only when they are the fill's own bytes.
+
+The fill takes a job from `EarlyReads` instead of the disk (bytes and digests) when the file it
+opened is the very file the early reads read; the arena and the content record must then be
+exactly what a fill without early reads gives, and a file changed after the early reads must be
+read again (never the old bytes, never the old digests).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcache.native.engine.attach import query
+from weightcache.native.shared import content
+from weightcache.native.shared.checkpoint import open_checkpoint
+from weightcache.native.shared.coldload import load_entries, plan_jobs, span_of
+from weightcache.native.shared.earlyread import (
+    BUDGET_ENV,
+    EarlyReads,
+    cover_spans,
+    default_budget,
+)
+from weightcache.native.shared.loader import plan_layout
+from weightcache.native.shared.sharding import parse_rules
+from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
+
+SHAPE = LlamaShape(hidden=256, layers=2, intermediate=768, vocab=1024, heads=4, kv_heads=2,
+                   tied=False)
+CHUNK = 1 << 20  # small reads: several jobs per file
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def model(request, tmp_path_factory) -> Path:
+    return write_llama_checkpoint(tmp_path_factory.mktemp("early") / "m", SHAPE,
+                                  files=request.param)
+
+
+def _fill(model: Path, early: EarlyReads | None):
+    ckpt = open_checkpoint(model)
+    lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+    flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    stats = load_entries(list(lay.entries), flat, threads=3, chunk=CHUNK, direct="auto",
+                         digest=list(ckpt.files), early=early)
+    return flat, stats
+
+
+def _early(model: Path, budget: int) -> EarlyReads:
+    early = EarlyReads(open_checkpoint(model).files, budget, chunk=CHUNK, threads=2).start()
+    early.join()  # all of the budget read before the fill asks
+    return early
+
+
+def test_early_jobs_are_fill_jobs(model):
+    """The early reads cut files exactly where the fill does: every early job is a fill job."""
+    ckpt = open_checkpoint(model)
+    lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+    sizes = {f: f.stat().st_size for f in ckpt.files}
+    fill = {(j.path, j.start, j.end) for j in plan_jobs(list(lay.entries), span_of(CHUNK), sizes)}
+    early = EarlyReads(ckpt.files, 1 << 40, chunk=CHUNK)
+    assert set(early._jobs) <= fill and len(early._jobs) == len(fill)
+    assert cover_spans(0, 10) == [(0, 0)]
+    assert cover_spans(25, 10) == [(0, 10), (10, 20), (20, 25)]
+    early.close()
+
+
+@pytest.mark.parametrize("budget", [1 << 40, 3 * CHUNK])
+def test_the_fill_takes_early_jobs_and_gets_the_same_bytes_and_record(model, budget):
+    want, plain = _fill(model, None)
+    early = _early(model, budget)
+    got, stats = _fill(model, early)
+    assert stats.early_bytes == early.taken_bytes == early.read_bytes > 0
+    if budget < 1 << 40:
+        assert early.read_bytes <= budget < sum(f.stat().st_size
+                                                for f in open_checkpoint(model).files)
+    assert torch.equal(got, want)
+    assert stats.record == plain.record == content.digest_files(open_checkpoint(model).files)
+    early.close()
+
+
+def test_a_file_rewritten_after_the_early_reads_is_read_again(tmp_path):
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    files = open_checkpoint(model).files
+    early = _early(model, 1 << 40)
+    victim = files[-1]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # a weight's last byte: same size, same header, other content
+    st = victim.stat()
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    got, stats = _fill(model, early)
+    want, plain = _fill(model, None)
+    assert torch.equal(got, want)  # the new bytes, not the early copy of the old ones
+    assert stats.record == plain.record == content.digest_files(files)
+    assert 0 < stats.early_bytes == files[0].stat().st_size < early.read_bytes
+    early.close()
+
+
+def test_a_file_truncated_after_the_early_reads_is_an_error(tmp_path):
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
+    ckpt = open_checkpoint(model)
+    lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+    early = _early(model, 1 << 40)
+    os.truncate(ckpt.files[0], ckpt.files[0].stat().st_size // 2)
+    flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    with pytest.raises(content.ContentError, match="truncated"):
+        load_entries(list(lay.entries), flat, chunk=CHUNK, digest=list(ckpt.files), early=early)
+    assert early.taken_bytes == 0
+    early.close()
+
+
+def test_the_budget_comes_from_the_environment_or_the_memory(monkeypatch):
+    monkeypatch.setenv(BUDGET_ENV, "64")
+    assert default_budget(4) == 64 << 20
+    monkeypatch.setenv(BUDGET_ENV, "0")
+    assert default_budget() == 0
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv(BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=BUDGET_ENV):
+            default_budget()
+    monkeypatch.setenv(BUDGET_ENV, "auto")
+    one, eight = default_budget(1), default_budget(8)
+    assert 0 < eight <= one <= 8 << 30 and eight <= one // 4 + 1
+
+
+def test_a_cpu_rank_reads_while_it_starts_and_serves_the_digest(tmp_path, sock_dir, preload):
+    """Through the real launcher and rank: READY says what the early reads did, the fill took
+    them, and the content the rank serves is the audit digest of the files."""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=3)
+    p = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir),
+                env={**os.environ, BUDGET_ENV: "auto"})
+    ready = p.wait_ready(120)
+    rank = ready["rank_loads"][0]
+    early, loader = rank["early"], rank["loader"]
+    assert early["budget_bytes"] >= early["read_bytes"] >= early["taken_bytes"] > 0
+    assert loader["early_bytes"] == early["taken_bytes"]
+    digest = content.content_root(content.digest_files(open_checkpoint(model).files))
+    assert query(ready["sockets"][0], "hello")["content"] == digest
+
+
+def test_no_early_reads_with_a_zero_budget(tmp_path, sock_dir, preload):
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
+    p = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir),
+                env={**os.environ, BUDGET_ENV: "0"})
+    rank = p.wait_ready(120)["rank_loads"][0]
+    assert rank["early"] is None and rank["loader"]["early_bytes"] == 0
