@@ -140,10 +140,12 @@ def write_layout(model: Any, kind: str, path: Path, limit_gb: float | None) -> d
 
 
 # -- measurements ---------------------------------------------------------------------------
-def drop(files: list[Path]) -> None:
+def drop(files: list[Path], everything: bool = True) -> None:
+    """Evict the checkpoint; on the GPU box (ours alone) with `everything` the whole page cache
+    too, so the rank's own imports come from the disk as on a node that never ran one."""
     from weightcache.native.shared.coldload import drop_page_cache
 
-    drop_page_cache(files, everything=_cuda())  # the GPU box is ours alone, CI's is shared
+    drop_page_cache(files, everything=everything and _cuda())  # CI's machine is shared
 
 
 def hash_figures(smoke: bool) -> dict[str, Any]:
@@ -291,9 +293,12 @@ class Launcher:
         g.stop_process(self.proc)
 
 
-def preload_once(model: Path, files: list[Path], cold: bool, env: dict | None = None) -> dict:
+def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | None = None
+                 ) -> dict:
+    """READY of a real `weightcache preload`; `cold`: True drops every cache, "model" only the
+    checkpoint's pages (a node whose agent already ran: its libraries are in memory)."""
     if cold:
-        drop(files)
+        drop(files, everything=cold is True)
     else:
         g._warm(files)
     sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
@@ -473,6 +478,13 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_no_early"] = _safe("preload cold, early reads off", preload_once,
                                            model_dir, files, True,
                                            {"WEIGHTCACHE_LOAD_EARLY_MIB": "0"})
+    if full:  # only the model cold: the rank's libraries in the page cache
+        r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
+                                        "model")
+        if grid or "noearly" in parts:
+            r["preload_cold_model_no_early"] = _safe(
+                "preload, model cold, early reads off", preload_once, model_dir, files, "model",
+                {"WEIGHTCACHE_LOAD_EARLY_MIB": "0"})
     g._warm(files)
     r["load_file_warm"] = _safe("load_file warm", load_file_once, files)
     r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)
@@ -545,11 +557,16 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
     if pc:
         s["preload_cold_early"] = _early(pc)
-    pp = _get(r, "preload_cold_no_early", "ready")
-    if pp:
-        s["preload_cold_no_early_ready_s"] = pp.get("seconds")
-        s["preload_cold_no_early_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
-        s["preload_cold_no_early_phases"] = _phases(pp)
+    for key in ("preload_cold_no_early", "preload_cold_model", "preload_cold_model_no_early"):
+        pp = _get(r, key, "ready")
+        if pp:
+            s[f"{key}_ready_s"] = pp.get("seconds")
+            s[f"{key}_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
+            s[f"{key}_phases"] = _phases(pp)
+            s[f"{key}_early"] = _early(pp)
+            for base in ("load_file_cold", "from_pretrained_cold"):
+                if s.get(f"{base}_s"):
+                    s[f"{key}_ready_vs_{base}"] = round(s[f"{base}_s"] / pp["seconds"], 3)
     lw = _get(r, "loader_warm")
     if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
         s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]

@@ -62,6 +62,9 @@ DEFAULT_THREADS = 32
 DEFAULT_CHUNK = 16 * MiB
 PAGE = 4096
 MAX_OPEN_PER_THREAD = 32  # descriptors a reader thread keeps open (threads x files otherwise)
+# Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
+# cache still holds it (a multiple of the content chunk; a few per core's L2).
+HOT_STEP = 4 * CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,7 @@ class _Reader:
         # auto: the page cache serves a resident range far faster than the disk could.
         return not resident(self.fd(path, False), start, end - start)
 
-    def read(self, path: Path, start: int, end: int) -> tuple[torch.Tensor, int]:
-        """Read [start, end) into the next free pinned buffer; (buffer, skip) where data starts."""
+    def _next_buffer(self) -> torch.Tensor:
         slot = self.turn
         self.turn ^= 1
         event = self.events[slot]
@@ -305,15 +307,31 @@ class _Reader:
             t0 = time.perf_counter()
             event.synchronize()  # the copies out of this buffer have finished
             self.wait_seconds += time.perf_counter() - t0
-        buf = self.buffers[slot]
+        return self.buffers[slot]
+
+    def read(self, path: Path, start: int, end: int,
+             hash_piece: Callable[[memoryview, int], None] | None = None
+             ) -> tuple[torch.Tensor, int]:
+        """Read [start, end) into the next free pinned buffer; (buffer, skip) where data starts.
+
+        `hash_piece(bytes, file_offset)` sees every byte read, on the chunk grid: through the
+        page cache in HOT_STEP pieces, each hashed right after its copy while the CPU's cache
+        still holds it (one pass over memory fewer: the warm load is memory-bound), after an
+        O_DIRECT read (the device wrote it; no cache to win) in one piece.
+        """
+        buf = self._next_buffer()
         t_read = time.perf_counter()
         direct = self._use_direct(path, start, end)
         lo = start - start % PAGE if direct else start
         hi = end + (-end) % PAGE if direct else end
         view = memoryview(buf.numpy())[: hi - lo]
         got = 0
+        if not direct and hash_piece is not None:
+            got = self._read_hot(self.fd(path, False), view, lo, hash_piece)
+            hash_piece = None
         try:
-            got = _read_fully(self.fd(path, direct), view, lo)
+            if not got:
+                got = _read_fully(self.fd(path, direct), view, lo)
         except OSError:
             if not direct:
                 raise
@@ -325,6 +343,10 @@ class _Reader:
         if got < end - lo:
             raise ContentError(f"{path}: only {got} of {end - lo} bytes at offset {lo}: the file "
                                "was truncated or replaced while it was being loaded")
+        if hash_piece is not None:
+            t0 = time.perf_counter()
+            hash_piece(view[start - lo : end - lo], start)
+            self.hash_seconds += time.perf_counter() - t0
         self.read_seconds += time.perf_counter() - t_read
         self.read_bytes += got
         if direct:
@@ -333,17 +355,33 @@ class _Reader:
             self.cached_bytes += got
         return buf, start - lo
 
-    def stage(self, data: Any) -> torch.Tensor:
-        """Copy bytes already in host memory (an early read) into the next free buffer."""
-        slot = self.turn
-        self.turn ^= 1
-        event = self.events[slot]
-        if event is not None:
-            t0 = time.perf_counter()
-            event.synchronize()
-            self.wait_seconds += time.perf_counter() - t0
-        buf = self.buffers[slot]
-        np.copyto(buf.numpy()[: len(data)], data)  # releases the GIL: threads copy in parallel
+    def _read_hot(self, fd: int, view: memoryview, offset: int,
+                  hash_piece: Callable[[memoryview, int], None]) -> int:
+        got = 0
+        while got < len(view):
+            n = _read_fully(fd, view[got : got + HOT_STEP], offset + got)
+            if n:
+                t0 = time.perf_counter()
+                hash_piece(view[got : got + n], offset + got)
+                self.hash_seconds += time.perf_counter() - t0
+            got += n
+            if n < min(HOT_STEP, len(view) - got + n):
+                break  # the file ends here
+        return got
+
+    def stage(self, data: Any, hash_piece: Callable[[memoryview, int], None] | None = None,
+              offset: int = 0) -> torch.Tensor:
+        """Copy bytes already in host memory (an early read) into the next free buffer,
+        hashing each HOT_STEP piece right after its copy."""
+        buf = self._next_buffer()
+        out = buf.numpy()
+        for at in range(0, len(data), HOT_STEP):
+            piece = data[at : at + HOT_STEP]
+            np.copyto(out[at : at + len(piece)], piece)  # releases the GIL
+            if hash_piece is not None:
+                t0 = time.perf_counter()
+                hash_piece(memoryview(out[at : at + len(piece)]), offset + at)
+                self.hash_seconds += time.perf_counter() - t0
         self.cached_bytes += len(data)
         return buf
 
@@ -406,34 +444,29 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
             if job.digest and sink is not None:
                 sink.add(job.path, 0, b"")
             return 0
+        hash_piece = None
+        if job.digest and sink is not None:
+            path = job.path
+
+            def hash_piece(data: memoryview, offset: int) -> None:
+                sink.add(path, offset // CHUNK_BYTES, data)
+
         found = early.take(job.path, job.start, job.end) if early is not None and job.digest \
-            and sink is not None else None
-        if found is not None:  # read and hashed while the rank started: copy, no disk, no hash
-            data, digests = found
-            buf = reader.stage(data)
-            del data
-            with reader.on_stream():
-                for piece in job.pieces:
-                    at = piece.file_offset - job.start
-                    dst = flat[piece.arena_offset : piece.arena_offset + piece.nbytes]
-                    dst.copy_(buf[at : at + piece.nbytes], non_blocking=True)
-            assert sink is not None
-            sink.put(job.path, job.start // CHUNK_BYTES, digests)
-            reader.done(buf)
-            return job.end - job.start
-        buf, skip = reader.read(job.path, job.start, job.end)
+            else None
+        took = 0
+        if found is not None:  # read while the rank started: a memory copy, no disk
+            buf, skip = reader.stage(found, hash_piece, job.start), 0
+            took = len(found)
+            del found
+        else:
+            buf, skip = reader.read(job.path, job.start, job.end, hash_piece)
         with reader.on_stream():
             for piece in job.pieces:
                 at = skip + piece.file_offset - job.start
                 dst = flat[piece.arena_offset : piece.arena_offset + piece.nbytes]
                 dst.copy_(buf[at : at + piece.nbytes], non_blocking=True)
-        if job.digest and sink is not None:  # while the copies run: both only read the buffer
-            t0 = time.perf_counter()
-            data = memoryview(buf.numpy())[skip : skip + job.end - job.start]
-            sink.add(job.path, job.start // CHUNK_BYTES, data)
-            reader.hash_seconds += time.perf_counter() - t0
         reader.done(buf)
-        return 0
+        return took
     entry = job.entry
     src = entry.source
     with reader.on_stream():

@@ -5,14 +5,15 @@ torch`, the CUDA context, the arena (3.8-5.0 s measured on the H200, against a 1
 the disk reads in 8.5-10 s). Those seconds are CPU work; the disk is idle. `EarlyReads` starts
 right after the rank holds its lock, before torch is imported, and reads the files the fill
 will read, in the fill's own jobs (the content chunk grid, `cover_spans`), straight into one
-anonymous host mapping, hashing each job's chunks as it lands. When the fill starts it takes
-those jobs from memory (`take`: a memory copy into its pinned buffers, digests already made)
-and reads only the rest from the disk; the reads stop at once (`stop`).
+anonymous host mapping. When the fill starts it takes those jobs from memory (`take`: a memory
+copy into its pinned buffers, hashed there like any other job) and reads only the rest from
+the disk; the reads stop at once (`stop`). The early reads do not hash, and there are few of
+them (DEFAULT_THREADS): while torch imports, that one thread must keep a CPU to itself (from
+the page cache, every early read is a kernel memory copy that wants a CPU too).
 
 Why not warm the page cache instead (what a prefetcher does): the page cache may evict what was
-read before the fill wants it, buffered reads from many threads defeat readahead, and the fill
-must then hash everything anyway. Here each byte is read once, with O_DIRECT where the page
-cache lacks it, and hashed once.
+read before the fill wants it, and buffered reads from many threads defeat readahead. Here each
+byte is read once, with O_DIRECT where the page cache lacks it, and hashed once (by the fill).
 
 Correctness does not depend on any of this: a file is used only if the fill opens the very
 file the early reads read, unchanged (the same `FileIdentity`, taken before the first early
@@ -34,12 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from .content import CHUNK_BYTES, DIGEST_BYTES, FileIdentity, chunk_digest
+from .content import CHUNK_BYTES, FileIdentity
 from .residency import resident
 
 MiB = 1 << 20
 PAGE = 4096
-DEFAULT_THREADS = 32  # the fill's own default: the virtual disk's rate wants many reads in flight
+# 8 x 16 MiB O_DIRECT reads ran at 1.75 GB/s on the H200's virtual disk, 32 at 1.85: a few
+# percent of the disk's rate for CPUs left to the import (docs/performance.md).
+DEFAULT_THREADS = 8
 DEFAULT_CHUNK = 16 * MiB
 MAX_BUDGET = 8 << 30  # about what the disk reads while torch starts (4-5 s at 1.6-2 GB/s)
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
@@ -101,7 +104,6 @@ class _Job:
     end: int
     at: int  # offset of the job's first byte in the mapping (page-aligned)
     state: int = 0  # 0 waiting, 1 reading, 2 done, 3 dropped
-    digests: bytes = b""
 
 
 class EarlyReads:
@@ -110,8 +112,7 @@ class EarlyReads:
     def __init__(self, files: list[Path | str], budget: int, *, chunk: int | None = None,
                  threads: int | None = None, direct: bool | str = "auto") -> None:
         self.span = grid_span(span_of(chunk or load_chunk()))
-        self.threads = max(1, threads or int(os.environ.get("WEIGHTCACHE_LOAD_THREADS",
-                                                            DEFAULT_THREADS)))
+        self.threads = max(1, threads or DEFAULT_THREADS)
         self.direct = direct if hasattr(os, "O_DIRECT") else False
         self.identities: dict[Path, FileIdentity] = {}
         self._fds: dict[Path, int] = {}
@@ -122,7 +123,6 @@ class EarlyReads:
         self._pool: list[threading.Thread] = []
         self._map: mmap.mmap | None = None
         self.read_bytes = self.direct_bytes = self.taken_bytes = 0
-        self.hash_seconds = 0.0
         self.started = self.seconds = 0.0
         used = 0
         try:
@@ -209,12 +209,7 @@ class EarlyReads:
                 return False
         if got < n:
             return False  # shorter than it was: the fill finds out and says so
-        t0 = time.perf_counter()
-        data = view[:n]
-        job.digests = b"".join(chunk_digest(data[at : at + CHUNK_BYTES])
-                               for at in range(0, max(1, n), CHUNK_BYTES))
         with self._lock:
-            self.hash_seconds += time.perf_counter() - t0
             self.read_bytes += n
             if direct:
                 self.direct_bytes += n
@@ -238,7 +233,7 @@ class EarlyReads:
     def stats(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget, "read_bytes": self.read_bytes,
                 "direct_bytes": self.direct_bytes, "taken_bytes": self.taken_bytes,
-                "seconds": round(self.seconds, 3), "hash_seconds": round(self.hash_seconds, 3)}
+                "seconds": round(self.seconds, 3)}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
         """Keep the jobs of files the fill opened as the same, unchanged file; drop the rest."""
@@ -253,17 +248,15 @@ class EarlyReads:
             job = self._jobs.get((path, start, end))
             return job is not None and job.state == 2
 
-    def take(self, path: Path, start: int, end: int) -> tuple[np.ndarray, bytes] | None:
-        """The bytes [start, end) of `path` and their chunk digests, once; None if not read."""
+    def take(self, path: Path, start: int, end: int) -> np.ndarray | None:
+        """The bytes [start, end) of `path`, once; None if they were not read."""
         with self._lock:
             job = self._jobs.get((path, start, end))
             if job is None or job.state != 2 or self._map is None:
                 return None
             job.state = 3
             self.taken_bytes += end - start
-        data = np.frombuffer(self._map, dtype=np.uint8, count=end - start, offset=job.at)
-        assert len(job.digests) == DIGEST_BYTES * max(1, -(-(end - start) // CHUNK_BYTES))
-        return data, job.digests
+        return np.frombuffer(self._map, dtype=np.uint8, count=end - start, offset=job.at)
 
     def close(self) -> None:
         """Stop, and give the memory and the descriptors back (views from `take` must be gone)."""

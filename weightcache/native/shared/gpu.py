@@ -95,14 +95,24 @@ def _torch_uuid(index: int) -> str | None:
 
 
 def device_uuid(device) -> str:
-    """UUID of a CUDA device of this process (`torch.device`, index or `cuda:N` string)."""
+    """UUID of a CUDA device of this process (`torch.device`, index or `cuda:N` string).
+
+    The driver first: a daemon rank names its socket (and takes its lock) before it imports
+    torch, and reads its checkpoint while torch imports (`earlyread`); torch only where
+    cuda-python is missing.
+    """
     index = device_index(device)
     try:
-        found = _torch_uuid(index)
-        if found:
-            return found
-    except (GpuError, AttributeError, RuntimeError):
+        return _driver_uuid(index)
+    except (ImportError, GpuError):
         pass
+    found = _torch_uuid(index)
+    if not found:
+        raise GpuError(f"no UUID for CUDA device {index}")
+    return found
+
+
+def _driver_uuid(index: int) -> str:
     cu = _driver()
     (err,) = cu.cuInit(0)
     if err != cu.CUresult.CUDA_SUCCESS:
