@@ -157,7 +157,7 @@ def test_coldload_into_cuda_takes_early_reads(small_model, budget_chunks):
     layout = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
     want = torch.zeros(layout.nbytes, dtype=torch.uint8)
     load_into_arena(layout, want)
-    early = EarlyReads(ckpt.files, budget_chunks * MiB, chunk=MiB, threads=2).start()
+    early = EarlyReads(ckpt.files, budget_chunks * MiB, chunk=MiB, threads=2, direct=False).start()
     early.join()
     got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
     stats = coldload.load_entries(list(layout.entries), got, threads=4, chunk=MiB,
