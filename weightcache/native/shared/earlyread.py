@@ -49,9 +49,12 @@ from .residency import resident
 
 MiB = 1 << 20
 PAGE = 4096
-# 8 x 16 MiB O_DIRECT reads ran at 1.75 GB/s on the H200's virtual disk, 32 at 1.85: a few
-# percent of the disk's rate for CPUs left to the import (docs/performance.md).
-DEFAULT_THREADS = 8
+# O_DIRECT reads wait on the disk, not on a CPU: as many in flight as the fill keeps (32 x
+# 16 MiB ran at 1.85 GB/s on the H200's virtual disk, 8 at 1.75). Where a file system refuses
+# O_DIRECT, every read is a kernel memory copy that wants a CPU beside the import: then only
+# BUFFERED_THREADS keep reading.
+DEFAULT_THREADS = 32
+BUFFERED_THREADS = 4
 DEFAULT_CHUNK = 16 * MiB
 MAX_BUDGET = 8 << 30  # about what the disk reads while torch starts (4-5 s at 1.6-2 GB/s)
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
@@ -182,14 +185,16 @@ class EarlyReads:
     def start(self) -> EarlyReads:
         self.started = time.perf_counter()
         count = min(self.threads, len(self._order))
-        self._pool = [threading.Thread(target=self._work, name=f"early-{i}", daemon=True)
-                      for i in range(count)]
+        self._pool = [threading.Thread(target=self._work, args=(i,), name=f"early-{i}",
+                                       daemon=True) for i in range(count)]
         for t in self._pool:
             t.start()
         return self
 
-    def _claim(self) -> _Job | None:
+    def _claim(self, index: int) -> _Job | None:
         with self._lock:
+            if self.direct is False and index >= BUFFERED_THREADS:
+                return None
             while not self._stop.is_set() and self._next < len(self._order):
                 job = self._order[self._next]
                 self._next += 1
@@ -198,12 +203,12 @@ class EarlyReads:
                     return job
             return None
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
         direct_fds: dict[Path, int] = {}
         if idle_io_priority():
             self.idle_io = True
         try:
-            while (job := self._claim()) is not None:
+            while (job := self._claim(index)) is not None:
                 ok = self._read(job, direct_fds)
                 with self._lock:
                     job.state = 2 if ok else 3
