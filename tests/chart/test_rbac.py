@@ -50,14 +50,28 @@ def test_no_wildcards_and_no_escalation(name):
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_secrets_only_by_name_in_the_release_namespace(name):
+def test_secrets_are_read_only_by_name_in_the_release_namespace(name):
+    """The webhook's serving certificate by name; seed tokens (docs/warmup.md) create only,
+    which reads no Secret: cluster-wide only when the operator watches every namespace."""
+    files = VALUE_SETS[name][0]
+    watched = [ns for f in files for ns in ((yaml.safe_load((chart.VALUES / f).read_text())
+                                             or {}).get("operator") or {})
+               .get("watchNamespaces") or []]
     for role in (d for d in rendered(name) if d["kind"] in ROLE_KINDS):
         for rule in role["rules"]:
-            if "secrets" in rule["resources"]:
-                assert role["kind"] == "Role", "no cluster-wide Secret access"
-                assert role["metadata"]["namespace"] == chart.NAMESPACE
-                assert rule.get("resourceNames"), "Secrets only by name"
-                assert set(rule["verbs"]) <= {"get", "patch"}
+            if "secrets" not in rule["resources"]:
+                continue
+            if rule["verbs"] == ["create"]:
+                assert not rule.get("resourceNames") and rule["resources"] == ["secrets"]
+                if watched:
+                    assert role["kind"] == "Role" and role["metadata"]["namespace"] in watched
+                else:
+                    assert role["kind"] == "ClusterRole"
+                continue
+            assert role["kind"] == "Role", "no cluster-wide Secret access"
+            assert role["metadata"]["namespace"] == chart.NAMESPACE
+            assert rule.get("resourceNames"), "Secrets only by name"
+            assert set(rule["verbs"]) <= {"get", "patch"}
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -132,7 +146,12 @@ def test_agents_get_no_api_access(default_docs):
         ("GET", "/api/v1/namespaces/weightcache-system/secrets/other", {}, False),
         ("GET", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
         ("PATCH", "/api/v1/namespaces/elsewhere/secrets/weightcache-webhook-tls", {}, False),
-        ("POST", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
+        # Seed tokens: any namespace may get one created, none read or listed.
+        ("POST", "/api/v1/namespaces/weightcache-system/secrets", {}, True),
+        ("POST", "/api/v1/namespaces/ml/secrets", {}, True),
+        ("GET", "/api/v1/namespaces/ml/secrets/llama-seed", {}, False),
+        ("PATCH", "/api/v1/namespaces/ml/secrets/llama-seed", {}, False),
+        ("GET", "/api/v1/secrets", {"watch": "true"}, False),
         ("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", {}, False),
         (
             "PATCH",
