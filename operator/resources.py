@@ -355,11 +355,13 @@ def daemonset(
         private_dirs.append(str(warmup_dir))
     token_of = seed_token_source(spec, name)
     if token_of is not None:
-        # Readable by the daemons' group only (fsGroup below); optional, so a target whose
-        # source has no token yet starts without seeding instead of waiting.
+        # Optional: a target whose source has no token yet starts without seeding instead of
+        # waiting. Secret files are root-owned; 0444 lets the daemons' uid read it inside this
+        # container (its only processes are the agent and vLLM). Not fsGroup: the kubelet
+        # would re-own every volume that supports it, a model PVC included.
         volumes.append({"name": SEED_VOLUME, "secret": {
             "secretName": constants.seed_secret_name(token_of), "optional": True,
-            "defaultMode": 0o440,
+            "defaultMode": 0o444,
             "items": [{"key": seed_contract.TOKEN_KEY, "path": seed_contract.TOKEN_KEY}]}})
         mounts.append({"name": SEED_VOLUME, "mountPath": seed_contract.TOKEN_DIR,
                        "readOnly": True})
@@ -451,8 +453,6 @@ def daemonset(
         "affinity": _pinned_affinity(placement.affinity, nodes),
         "tolerations": list(placement.tolerations or []),
     }
-    if token_of is not None:
-        pod_spec["securityContext"]["fsGroup"] = run_as.gid
     if placement.node_selector:
         pod_spec["nodeSelector"] = dict(placement.node_selector)
     if placement.priority_class_name or options.priority_class:
