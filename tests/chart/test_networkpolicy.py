@@ -68,3 +68,22 @@ def test_seed_ports_admit_only_agents_of_the_same_namespace(values):
         assert admitted(policy, "monitoring", {"app.kubernetes.io/name": "prometheus"},
                         Ports().metrics)
         assert not admitted(policy, ns, ENGINE, Ports().grpc)
+
+
+def test_the_evaluator_catches_a_policy_that_opens_the_seed_ports_wider(default_docs):
+    """The test above can fail: a rule for agents of any namespace (namespaceSelector {}) or
+    one without `from` would admit what it must not."""
+    import copy
+
+    policy = chart.one(default_docs, "NetworkPolicy")
+    ns, seed = policy["metadata"]["namespace"], Ports().seed
+    wide = copy.deepcopy(policy)
+    for rule in wide["spec"]["ingress"]:
+        for peer in rule.get("from") or []:
+            if "namespaceSelector" not in peer:
+                peer["namespaceSelector"] = {}
+    assert admitted(wide, "elsewhere", AGENT, seed)
+    open_rule = copy.deepcopy(policy)
+    open_rule["spec"]["ingress"].append({"ports": [{"port": seed, "endPort": seed + 15}]})
+    assert admitted(open_rule, ns, ENGINE, seed + 3)
+    assert not admitted(policy, "elsewhere", AGENT, seed)
