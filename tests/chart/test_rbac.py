@@ -179,3 +179,24 @@ def test_authorizer_on_the_default_roles(method, path, params, expected):
     assert attrs is not None
     assert rbac_eval.allowed(attrs, roles) is expected
     assert rbac_eval.attributes("GET", "/apis/weightcache.io/v1alpha1", {}) is None
+
+
+@pytest.mark.parametrize("watch", [[], ["llm-a", "llm-b"]])
+def test_seed_tokens_grant_follows_the_watched_namespaces_and_can_be_dropped(watch):
+    """Create-only Secret grants: one ClusterRole rule, or one Role per watched namespace; none
+    with rbac.seedTokens=false (caches then report Seeding False TokenUnavailable)."""
+    sets = [f"operator.watchNamespaces[{i}]={ns}" for i, ns in enumerate(watch)]
+
+    def grants(docs):
+        return sorted((d["kind"], d["metadata"].get("namespace", "")) for d in docs
+                      if d["kind"] in ROLE_KINDS for rule in d["rules"]
+                      if "secrets" in rule["resources"] and rule["verbs"] == ["create"])
+
+    on = chart.render(sets=sets)
+    assert grants(on) == ([("Role", ns) for ns in watch] if watch else [("ClusterRole", "")])
+    bindings = [d for d in on if d["kind"] == "RoleBinding"
+                and d["roleRef"]["name"].endswith("-seed-tokens")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == watch
+    for doc in on:
+        chart.validate(doc)  # raises on a schema violation
+    assert grants(chart.render(sets=[*sets, "rbac.seedTokens=false"])) == []
