@@ -125,3 +125,16 @@ async def test_a_source_that_differs_or_is_missing_only_means_no_seeding(cluster
     # World size 1: no token mounted at all.
     pod = (await cluster.get(ds_url("single")))["spec"]["template"]["spec"]
     assert not [v for v in pod["volumes"] if "secret" in v]
+
+
+async def test_a_refused_token_secret_is_a_condition_not_a_failure(cluster, operator, api_guard):
+    api_guard.reject.append(
+        lambda method, obj: "secrets are refused here" if obj.get("kind") == "Secret" else None)
+    for n in ("gpu-a", "gpu-b"):
+        await cluster.add_node(n)
+    await cluster.create_cache("old", TP16)
+    cond = await seeding(cluster, "old", "TokenUnavailable")
+    assert cond["status"] == "False" and "secrets are refused here" in cond["message"]
+    await phase_is(cluster, "old", "Placing")
+    await cluster.materialize("old", ready=True)
+    await phase_is(cluster, "old", "Ready")  # seeding never holds the group back
