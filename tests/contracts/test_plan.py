@@ -89,7 +89,7 @@ def test_the_seed_source_round_trips_is_checked_and_restarts_nothing():
                        ({**doc["seedFrom"], "hosts": [{"rank": 2, "host": "h"}]},
                         "not a node rank"),
                        ({**doc["seedFrom"], "hosts": [{"rank": 0, "host": ""}]},
-                        "hosts[0].host"),
+                        r"hosts\[0\]\.host"),
                        ("old", "seedFrom must be an object")):
         with pytest.raises(PlanError, match=words):
             Plan.from_doc({**doc, "seedFrom": bad})
