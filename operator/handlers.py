@@ -420,7 +420,9 @@ class Controller:
         old = status.condition(run.previous, status.SEEDING)
         cond = run.seed_cond
         if cond is not None and (old or {}).get("reason") != cond.reason:
-            await self.event(run.body, "Normal" if cond.status else "Warning",
+            # A source still loading, or world size 1, is expected: not a warning.
+            normal = cond.status or cond.reason in ("SourceNotReady", "NotApplicable")
+            await self.event(run.body, "Normal" if normal else "Warning",
                              f"Seed{cond.reason}", cond.message)
         return None
 
