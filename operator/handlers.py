@@ -32,7 +32,8 @@ import kopf
 
 from weightcache import constants
 from weightcache.api.v1alpha1 import WeightCacheSpec
-from weightcache.contracts.plan import Plan
+from weightcache.contracts import seed as seed_contract
+from weightcache.contracts.plan import Plan, SeedSource
 from weightcache.errors import ProjectError
 from weightcache.operator import (
     agentstatus,
@@ -124,6 +125,7 @@ class Pass:
     labels_by_node: dict[str, Mapping[str, str]]
     spec: WeightCacheSpec
     pods: list[PodInfo]
+    agents: Mapping[CacheKey, Any]
     logger: logging.Logger | logging.LoggerAdapter
     desired: dict[str, str]
     served: dict[str, str]
@@ -136,6 +138,8 @@ class Pass:
     current: dict[str, PodInfo] = field(default_factory=dict)
     states: list[status.NodeState] = field(default_factory=list)
     generations: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    seed_from: SeedSource | None = None
+    seed_cond: status.Cond | None = None
 
     @classmethod
     def start(
@@ -163,6 +167,7 @@ class Pass:
             labels_by_node={info.name: info.labels for info in fleet},
             spec=spec,
             pods=[pod for pod in (agents_index.get(key) or []) if not pod.deleting],
+            agents=agents_index,
             logger=logger,
             desired=desired,
             served=dict(previous.get("model") or desired),
@@ -189,7 +194,8 @@ class Pass:
 
     def plan(self) -> Plan:
         """The plan of the placed group serving the revision it serves now."""
-        return resources.plan(self.body, serving(self.spec, self.served), self.nodes, self.epoch)
+        return resources.plan(self.body, serving(self.spec, self.served), self.nodes, self.epoch,
+                              self.seed_from)
 
     def observe_members(self) -> None:
         """Which agent pods belong to this epoch and plan, and each node's state."""
@@ -313,7 +319,7 @@ class Controller:
         """One pass, as named steps; a step that ends the pass returns its phase."""
         assert self.kube is not None, "the startup handler connects the client"
         run = Pass.start(self, body, nodes_index, agents_index, logger)
-        for step in (self._check_spec, self._place, self._apply_plan):
+        for step in (self._check_spec, self._place, self._seed, self._apply_plan):
             phase = await step(run)
             if phase is not None:
                 return phase
@@ -325,7 +331,7 @@ class Controller:
 
     async def _check_spec(self, run: Pass) -> str | None:
         """Invalid when the name or the spec cannot be placed."""
-        problems = name_problems(run.name) + validate(run.spec)
+        problems = name_problems(run.name) + validate(run.spec, run.name)
         if not problems:
             return None
         # Nothing is created or changed for a spec that cannot be placed: a previous
@@ -397,6 +403,98 @@ class Controller:
         )
         await self.event(run.body, "Normal", "Recreating", note)
         run.served, run.update_cond = dict(run.desired), status.Cond(False, "Recreated", note)
+
+    async def _seed(self, run: Pass) -> None:
+        """Seeding new replicas (docs/warmup.md): a source gets its token Secret, a cache
+        with `warmup.seed.from` the address of each node rank's peer in its plan. Never ends
+        the pass: whatever stands in the way is the Seeding condition and an event."""
+        spec, source = run.spec, run.spec.warmup.seed.from_
+        why = seed_contract.not_applicable(spec)
+        if why is not None:
+            run.seed_cond = (status.Cond(False, "NotApplicable", f"no seeding from {source}: "
+                                         f"{why}") if source else None)
+        elif source is None:
+            run.seed_cond = await self._seed_token(run)
+        else:
+            run.seed_from, run.seed_cond = await self._seed_peers(run, source)
+        old = status.condition(run.previous, status.SEEDING)
+        cond = run.seed_cond
+        if cond is not None and (old or {}).get("reason") != cond.reason:
+            # A source still loading, or world size 1, is expected: not a warning.
+            normal = cond.status or cond.reason in ("SourceNotReady", "NotApplicable")
+            await self.event(run.body, "Normal" if normal else "Warning",
+                             f"Seed{cond.reason}", cond.message)
+        return None
+
+    async def _seed_token(self, run: Pass) -> status.Cond:
+        """Create the source's token Secret once (create only: the operator never reads a
+        Secret; AlreadyExists means it is there)."""
+        assert self.kube is not None
+        secret = resources.seed_secret(run.body)
+        first = run.spec.ports.seed
+        ports = f"{first}-{first + seed_contract.port_block(run.spec) - 1}"
+        try:
+            await self.kube.create(path("v1", "secrets", run.namespace), secret)
+        except ApiError as exc:
+            if exc.status != 409:
+                return status.Cond(False, "TokenUnavailable",
+                                   f"the seed token Secret {secret['metadata']['name']} cannot "
+                                   f"be created ({exc}); the daemons do not serve seeds")
+        except (OSError, TimeoutError) as exc:
+            return status.Cond(False, "TokenUnavailable", f"the seed token Secret cannot be "
+                                                          f"created ({exc}); retried next pass")
+        return status.Cond(True, "Serving",
+                           f"the daemons serve their autotune tables on ports {ports} to the "
+                           "caches of this namespace whose spec.warmup.seed.from names this one")
+
+    async def _seed_peers(
+        self, run: Pass, source: str
+    ) -> tuple[SeedSource | None, status.Cond]:
+        """The ready source's agent address per node rank, or why there is none."""
+        assert self.kube is not None
+
+        def no(reason: str, message: str) -> tuple[None, status.Cond]:
+            return None, status.Cond(False, reason,
+                                     f"no seeding from {source}: {message}; the daemons tune "
+                                     "by themselves")
+
+        try:
+            body = await self.kube.get(path(constants.API_VERSION, constants.PLURAL,
+                                            run.namespace, source))
+        except (ApiError, OSError, TimeoutError) as exc:
+            return no("SourceUnavailable", f"cannot read it ({exc})")
+        if body is None:
+            return no("SourceNotFound", f"no WeightCache {source} in namespace {run.namespace}")
+        src = WeightCacheSpec.from_object(body)
+        observed = dict(self.statuses.get((run.namespace, source)) or body.get("status") or {})
+        if validate(src, source):
+            return no("SourceInvalid", "its spec is invalid")
+        if src.warmup.seed.from_:
+            return no("SourceIsATarget", f"it seeds from {src.warmup.seed.from_} itself and "
+                                         "serves no seeds; name that cache instead")
+        why = seed_contract.not_applicable(src)
+        if why is not None:
+            return no("SourceNotSeeding", why)
+        if observed.get("model"):
+            src = serving(src, observed["model"])
+        differs = seed_contract.mismatch(src, serving(run.spec, run.served))
+        if differs is not None:
+            return no("SourceMismatch", f"vLLM seeds only between identical caches: {differs}")
+        if observed.get("phase") != "Ready":
+            return no("SourceNotReady", f"its phase is {observed.get('phase') or 'unknown'}")
+        pods = {pod.name: pod for pod in run.agents.get((run.namespace, source)) or []
+                if not pod.deleting}
+        hosts = {}
+        for entry in observed.get("nodes") or []:
+            pod = pods.get(entry.get("pod") or "")
+            if pod is not None and pod.ready and pod.ip and entry.get("ready"):
+                hosts[int(entry["rank"])] = pod.ip
+        if not hosts:
+            return no("SourceNotReady", "none of its agent pods is ready with an address")
+        n = src.parallelism.nodes
+        return SeedSource(cache=source, port=int(src.ports.seed), hosts=hosts), status.Cond(
+            True, "SourceReady", f"new daemons adopt the autotune tables of {source} "
+                                 f"({len(hosts)} of {n} node ranks ready)")
 
     async def _apply_plan(self, run: Pass) -> str | None:
         """Apply the plan ConfigMap, rendezvous Service and agent DaemonSet as one group."""
@@ -508,6 +606,8 @@ class Controller:
             entry["generation"] = int(seen.get("generation", 1)) if same_pod else 1
             entry["revision"] = run.served["revision"]
         status.with_updating(new, run.previous, run.update_cond, run.generation)
+        status.with_condition(new, run.previous, status.SEEDING, run.seed_cond, run.generation,
+                              carry=False)
         if (run.update_cond is not None and not run.update_cond.status
                 and run.served != run.desired):
             new["message"] = run.update_cond.message
@@ -739,6 +839,8 @@ class Controller:
                 new[carried] = previous[carried]
         if not any(c.get("type") == status.UPDATING for c in new.get("conditions") or ()):
             status.with_updating(new, previous, None, None)
+        if not any(c.get("type") == status.SEEDING for c in new.get("conditions") or ()):
+            status.with_condition(new, previous, status.SEEDING, None, None)
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ready_nodes,
                                       loading_nodes)
         if not status.same(previous, new):

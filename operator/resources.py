@@ -13,8 +13,10 @@ only delays the Service's endpoint, never the daemons' layout.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -22,10 +24,12 @@ from typing import Any
 
 from weightcache import __version__, constants
 from weightcache.api.v1alpha1 import WeightCacheSpec
-from weightcache.contracts.plan import Plan
+from weightcache.contracts import seed as seed_contract
+from weightcache.contracts.plan import SEED_KEY, Plan, SeedSource
 
 ANN_PLAN_HASH = f"{constants.GROUP}/plan-hash"
 WARMUP_VOLUME = "warmup"
+SEED_VOLUME = "seed-token"
 AGENT_CONTAINER = "agent"
 PLAN_MOUNT_DIR = "/etc/weightcache"
 AGENT_LIB_DIR = "/opt/weightcache"
@@ -111,6 +115,7 @@ def plan(
     spec: WeightCacheSpec,
     nodes: Sequence[str],
     epoch: int,
+    seed_from: SeedSource | None = None,
 ) -> Plan:
     """The placement plan (docs/interfaces.md): everything an agent needs, so agents need no
     API access.
@@ -133,6 +138,7 @@ def plan(
         nodes={node: rank for rank, node in enumerate(nodes)},
         layout=layout,
         spec=spec.with_layout(layout, gpus),
+        seed_from=seed_from,
     )
 
 
@@ -146,6 +152,9 @@ def plan_hash(doc: Plan) -> str:
     Recreate the operator restarts the group under a new epoch (the template's other
     annotation). Runtime vllm always recreates: there the path and revision are hashed."""
     view = json.loads(doc.to_json())
+    # Where a seed source's agents live matters only when a daemon starts: a moved source
+    # pod rewrites the plan, never restarts this group.
+    view.pop(SEED_KEY, None)
     document = view["spec"]
     document.pop("updateStrategy", None)
     if doc.spec.runtime == "native":
@@ -162,6 +171,29 @@ def configmap(cache: Mapping[str, Any], doc: Plan) -> dict[str, Any]:
         "metadata": _metadata(cache, constants.placement_configmap_name(cache["metadata"]["name"])),
         "data": {constants.PLAN_KEY: doc.to_json()},
     }
+
+
+def seed_secret(cache: Mapping[str, Any]) -> dict[str, Any]:
+    """The seed token of a source cache: 32 random bytes (hex), owned by the cache (deleted
+    with it), immutable (rotating it means deleting it; the next pass creates a new one).
+    The operator only ever creates it: it never reads a Secret back (docs/warmup.md)."""
+    token = secrets.token_hex(seed_contract.TOKEN_BYTES)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(cache, constants.seed_secret_name(cache["metadata"]["name"])),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {seed_contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def seed_token_source(spec: WeightCacheSpec, name: str) -> str | None:
+    """The cache whose token Secret this cache's agents mount: its own as a seed source, its
+    source's with `warmup.seed.from`, none when seeding does not apply."""
+    if seed_contract.not_applicable(spec) is not None:
+        return None
+    return spec.warmup.seed.from_ or name
 
 
 def service(cache: Mapping[str, Any], spec: WeightCacheSpec) -> dict[str, Any]:
@@ -321,6 +353,18 @@ def daemonset(
         mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
         dir_mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
         private_dirs.append(str(warmup_dir))
+    token_of = seed_token_source(spec, name)
+    if token_of is not None:
+        # Optional: a target whose source has no token yet starts without seeding instead of
+        # waiting. Secret files are root-owned; 0444 lets the daemons' uid read it inside this
+        # container (its only processes are the agent and vLLM). Not fsGroup: the kubelet
+        # would re-own every volume that supports it, a model PVC included.
+        volumes.append({"name": SEED_VOLUME, "secret": {
+            "secretName": constants.seed_secret_name(token_of), "optional": True,
+            "defaultMode": 0o444,
+            "items": [{"key": seed_contract.TOKEN_KEY, "path": seed_contract.TOKEN_KEY}]}})
+        mounts.append({"name": SEED_VOLUME, "mountPath": seed_contract.TOKEN_DIR,
+                       "readOnly": True})
     init_containers = [
         {
             # hostPath directories are created root-owned; the daemons (and engines) run as

@@ -24,6 +24,7 @@ from weightcache.api.v1alpha1 import (
     WeightCacheSpec,
 )
 from weightcache.constants import DEFAULT_PLAN_PATH
+from weightcache.contracts import seed as seed_contract
 from weightcache.contracts.vocabulary import DEVICES, MODES, RUNTIMES
 from weightcache.operator import imageref
 
@@ -35,6 +36,7 @@ DERIVED_NAMES = (
     constants.agent_daemonset_name,
     constants.rendezvous_service_name,
     constants.placement_configmap_name,
+    constants.seed_secret_name,
 )
 MAX_NAME_LENGTH = 63 - max(len(derive("")) for derive in DERIVED_NAMES)
 NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -122,10 +124,12 @@ def name_problems(name: str) -> list[Problem]:
     return problems
 
 
-def validate(spec: WeightCacheSpec | Mapping[str, Any]) -> list[Problem]:
+def validate(spec: WeightCacheSpec | Mapping[str, Any], name: str | None = None
+             ) -> list[Problem]:
     """Semantic problems of a spec; empty when it can be placed.
 
-    A mapping is parsed first (`WeightCacheSpec.from_spec`, defaults filled)."""
+    A mapping is parsed first (`WeightCacheSpec.from_spec`, defaults filled). `name`, the
+    cache's own name, lets a seed source naming the cache itself be refused."""
     full = (
         spec if isinstance(spec, WeightCacheSpec)
         else WeightCacheSpec.from_spec(spec, "default", "cache")
@@ -137,6 +141,8 @@ def validate(spec: WeightCacheSpec | Mapping[str, Any]) -> list[Problem]:
     problems += _check_ports(full)
     problems += _check_socket_dir(full.socket_dir)
     problems += _check_warmup(full)
+    if not problems:
+        problems += _check_seed(full, name)
     problems += _check_engine(full)
     problems += _check_update_strategy(full)
     return problems
@@ -513,6 +519,51 @@ def _check_warmup(spec: WeightCacheSpec) -> list[Problem]:
             if _under(norm, o) or _under(o, norm):
                 problems.append(Problem(field, f"{warmup.cache_dir} overlaps {name} {other}; "
                                                "keep them apart"))
+    return problems
+
+
+def _check_seed(spec: WeightCacheSpec, name: str | None) -> list[Problem]:
+    """warmup.seed (docs/warmup.md, "Seeding new replicas"): a source in the same namespace,
+    and a listener port block that fits and collides with no other port. Called on a spec
+    whose layout, ports and warmup are valid."""
+    seed = spec.warmup.seed
+    field = "spec.warmup.seed"
+    if not isinstance(seed.enabled, bool):
+        return [Problem(f"{field}.enabled", f"must be true or false: {seed.enabled!r}")]
+    problems = []
+    source = seed.from_
+    if source is not None:
+        if not isinstance(source, str) or not source:
+            return [Problem(f"{field}.from", f"must be the name of a WeightCache: {source!r}")]
+        if "/" in source:
+            problems.append(Problem(
+                f"{field}.from", f"{source!r} names another namespace; seeding never crosses "
+                "namespaces (the token and the NetworkPolicy are per namespace): name a "
+                "WeightCache of this namespace"))
+        elif not NAME_RE.match(source) or len(source) > MAX_NAME_LENGTH:
+            problems.append(Problem(f"{field}.from",
+                                    f"{source!r} is not a valid WeightCache name"))
+        elif source == name:
+            problems.append(Problem(f"{field}.from", "a cache cannot seed from itself"))
+        if spec.runtime != "vllm":
+            problems.append(Problem(f"{field}.from", "seeding applies to runtime vllm only"))
+        elif seed.enabled is not True:
+            problems.append(Problem(f"{field}.from", "is set but spec.warmup.seed.enabled "
+                                                      "is false; remove one"))
+        elif spec.warmup.enabled is not True:
+            problems.append(Problem(f"{field}.from", "needs spec.warmup.enabled: true (the "
+                                                      "adopted tables live in its directory)"))
+    if seed_contract.not_applicable(spec) is None:
+        first = spec.ports.seed
+        last = first + seed_contract.port_block(spec) - 1
+        if last > 65535:
+            problems.append(Problem("spec.ports.seed", f"the seed ports {first}-{last} of "
+                                                       "this layout exceed 65535"))
+        for key, port in spec.ports.by_name().items():
+            if key != "seed" and first <= port <= last:
+                problems.append(Problem(
+                    "spec.ports.seed", f"the seed ports {first}-{last} (one per daemon rank) "
+                    f"include spec.ports.{key} {port}; move one of them"))
     return problems
 
 

@@ -17,6 +17,7 @@ from weightcache.operator.spec import Problem
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
 UPDATING = "Updating"  # present once the model revision changed (set by `with_updating`)
+SEEDING = "Seeding"  # present while warmup seeding applies (operator/handlers.py, `_seed`)
 MAX_MESSAGE = 32768  # metav1.Condition message limit (apimachinery ValidateCondition)
 NODES_NAMED = 8  # messages name this many nodes, then count the rest
 
@@ -290,14 +291,27 @@ def with_updating(
     generation: int | None,
 ) -> dict[str, Any]:
     """Add (or carry) the Updating condition; None carries the previous one unchanged."""
-    old = next((c for c in previous.get("conditions") or () if c.get("type") == UPDATING), None)
+    return with_condition(status, previous, UPDATING, cond, generation)
+
+
+def condition(status: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in status.get("conditions") or () if c.get("type") == kind), None)
+
+
+def with_condition(
+    status: dict[str, Any], previous: Mapping[str, Any], kind: str, cond: Cond | None,
+    generation: int | None, *, carry: bool = True,
+) -> dict[str, Any]:
+    """Add the optional condition `kind` (Updating, Seeding); None carries the previous one
+    unchanged (`carry`) or leaves it out."""
+    old = condition(previous, kind)
     if cond is None:
-        if old is not None:
+        if old is not None and carry:
             status["conditions"] = [*status["conditions"], dict(old)]
         return status
     flag = "True" if cond.status else "False"
     entry = {
-        "type": UPDATING, "status": flag, "reason": cond.reason,
+        "type": kind, "status": flag, "reason": cond.reason,
         "message": cond.message[:MAX_MESSAGE],
         "lastTransitionTime": old.get("lastTransitionTime")
         if old is not None and old.get("status") == flag else now(),

@@ -43,6 +43,7 @@ DEFAULT_PORTS = {
     "health": 8478,
     "metrics": 9478,
     "grpc": 9479,
+    "seed": 29700,
 }
 
 # Environment read by the native client library inside engine pods.
@@ -64,6 +65,8 @@ ENV_NODE_NAME = "NODE_NAME"
 ENV_POD_IP = "POD_IP"
 ENV_POD_NAME = "POD_NAME"
 ENV_PLAN = "WEIGHTCACHE_PLAN"
+# Where the agent reads the seed token (default: the Secret's mount, contracts/seed.py).
+ENV_SEED_TOKEN_FILE = "WEIGHTCACHE_SEED_TOKEN_FILE"
 
 
 def node_ready_label(namespace: str, name: str) -> str:

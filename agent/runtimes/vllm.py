@@ -26,12 +26,15 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 from typing import Any
 
-from weightcache.agent import vllm_probe
+from weightcache import constants
+from weightcache.agent import seed, vllm_probe
 from weightcache.agent.config import AgentConfig, ConfigError
 from weightcache.agent.runtimes.base import Probe, RankSpec, Runtime, socket_is_ours
 from weightcache.api.v1alpha1 import WeightCacheSpec
+from weightcache.contracts import seed as seed_contract
 from weightcache.contracts import warmup
 from weightcache.contracts.vocabulary import ROLE_DRAFT, ROLE_TARGET
 
@@ -189,6 +192,11 @@ class VllmRuntime(Runtime):
         self.binary = os.environ.get("WEIGHTCACHE_VLLM_BIN", "vllm")
         self.spec_config = cfg.spec.engine_args.speculative_config
         self.has_draft = draft_is_cached(self.spec_config)
+        # The operator's token Secret (mounted read-only) and where the `--config` file that
+        # carries it to vLLM is written (the pod's private /tmp).
+        self.seed_token_path = os.environ.get(constants.ENV_SEED_TOKEN_FILE,
+                                              seed_contract.TOKEN_PATH)
+        self.seed_config_dir = os.path.join(tempfile.gettempdir(), "weightcache-seed")
 
     def command(self) -> list[str]:
         cfg, ports = self.cfg, self.cfg.ports
@@ -204,7 +212,9 @@ class VllmRuntime(Runtime):
         argv += ["--weight-cache-socket-dir", cfg.socket_dir,
                  "--weight-cache-health-host", "127.0.0.1",
                  "--weight-cache-health-port", str(ports["health"])]
-        return argv + extra_args(cfg.spec)
+        extra = extra_args(cfg.spec)
+        argv += seed.seed_args(cfg, self.seed_token_path, self.seed_config_dir)
+        return argv + extra
 
     def environment(self) -> dict[str, str | None]:
         # Index i in the child is exactly devices[i]: vLLM's local rank == device index.

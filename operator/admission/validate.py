@@ -75,7 +75,7 @@ def review(
     problems = []
     if operation == "CREATE" and meta.get("name"):  # names are immutable: judged once
         problems += specs.name_problems(meta["name"])
-    problems += specs.validate(spec)
+    problems += specs.validate(spec, meta.get("name"))
     if operation == "UPDATE" and old is not None:
         problems += immutable_problems(
             old.get("spec") or {}, spec, meta.get("namespace", "default"), meta.get("name", "")

@@ -89,7 +89,9 @@ def test_warmup_defaults_are_derived_once():
 
     spec = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/m/x"}}, "ml", "c")
     assert spec.to_dict()["warmup"] == {"enabled": True, "startupPlan": True,
-                                        "cacheDir": "/var/cache/weightcache/ml/c"}
+                                        "cacheDir": "/var/cache/weightcache/ml/c",
+                                        "seed": {"enabled": True}}
+    assert spec.ports.seed == 29700 and spec.warmup.seed.from_ is None
     kept = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/m/x"},
                                       "warmup": {"cacheDir": "/data/wc"}}, "ml", "c")
     assert kept.warmup.cache_dir == "/data/wc" and kept.warmup.enabled is True

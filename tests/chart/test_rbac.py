@@ -50,14 +50,28 @@ def test_no_wildcards_and_no_escalation(name):
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_secrets_only_by_name_in_the_release_namespace(name):
+def test_secrets_are_read_only_by_name_in_the_release_namespace(name):
+    """The webhook's serving certificate by name; seed tokens (docs/warmup.md) create only,
+    which reads no Secret: cluster-wide only when the operator watches every namespace."""
+    files = VALUE_SETS[name][0]
+    watched = [ns for f in files for ns in ((yaml.safe_load((chart.VALUES / f).read_text())
+                                             or {}).get("operator") or {})
+               .get("watchNamespaces") or []]
     for role in (d for d in rendered(name) if d["kind"] in ROLE_KINDS):
         for rule in role["rules"]:
-            if "secrets" in rule["resources"]:
-                assert role["kind"] == "Role", "no cluster-wide Secret access"
-                assert role["metadata"]["namespace"] == chart.NAMESPACE
-                assert rule.get("resourceNames"), "Secrets only by name"
-                assert set(rule["verbs"]) <= {"get", "patch"}
+            if "secrets" not in rule["resources"]:
+                continue
+            if rule["verbs"] == ["create"]:
+                assert not rule.get("resourceNames") and rule["resources"] == ["secrets"]
+                if watched:
+                    assert role["kind"] == "Role" and role["metadata"]["namespace"] in watched
+                else:
+                    assert role["kind"] == "ClusterRole"
+                continue
+            assert role["kind"] == "Role", "no cluster-wide Secret access"
+            assert role["metadata"]["namespace"] == chart.NAMESPACE
+            assert rule.get("resourceNames"), "Secrets only by name"
+            assert set(rule["verbs"]) <= {"get", "patch"}
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -132,7 +146,12 @@ def test_agents_get_no_api_access(default_docs):
         ("GET", "/api/v1/namespaces/weightcache-system/secrets/other", {}, False),
         ("GET", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
         ("PATCH", "/api/v1/namespaces/elsewhere/secrets/weightcache-webhook-tls", {}, False),
-        ("POST", "/api/v1/namespaces/weightcache-system/secrets", {}, False),
+        # Seed tokens: any namespace may get one created, none read or listed.
+        ("POST", "/api/v1/namespaces/weightcache-system/secrets", {}, True),
+        ("POST", "/api/v1/namespaces/ml/secrets", {}, True),
+        ("GET", "/api/v1/namespaces/ml/secrets/llama-seed", {}, False),
+        ("PATCH", "/api/v1/namespaces/ml/secrets/llama-seed", {}, False),
+        ("GET", "/api/v1/secrets", {"watch": "true"}, False),
         ("POST", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations", {}, False),
         (
             "PATCH",
@@ -160,3 +179,24 @@ def test_authorizer_on_the_default_roles(method, path, params, expected):
     assert attrs is not None
     assert rbac_eval.allowed(attrs, roles) is expected
     assert rbac_eval.attributes("GET", "/apis/weightcache.io/v1alpha1", {}) is None
+
+
+@pytest.mark.parametrize("watch", [[], ["llm-a", "llm-b"]])
+def test_seed_tokens_grant_follows_the_watched_namespaces_and_can_be_dropped(watch):
+    """Create-only Secret grants: one ClusterRole rule, or one Role per watched namespace; none
+    with rbac.seedTokens=false (caches then report Seeding False TokenUnavailable)."""
+    sets = [f"operator.watchNamespaces[{i}]={ns}" for i, ns in enumerate(watch)]
+
+    def grants(docs):
+        return sorted((d["kind"], d["metadata"].get("namespace", "")) for d in docs
+                      if d["kind"] in ROLE_KINDS for rule in d["rules"]
+                      if "secrets" in rule["resources"] and rule["verbs"] == ["create"])
+
+    on = chart.render(sets=sets)
+    assert grants(on) == ([("Role", ns) for ns in watch] if watch else [("ClusterRole", "")])
+    bindings = [d for d in on if d["kind"] == "RoleBinding"
+                and d["roleRef"]["name"].endswith("-seed-tokens")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == watch
+    for doc in on:
+        chart.validate(doc)  # raises on a schema violation
+    assert grants(chart.render(sets=[*sets, "rbac.seedTokens=false"])) == []

@@ -107,7 +107,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
-def runtime_for(plan: dict, node_rank: int = 0) -> Any:
+def runtime_for(plan: dict, node_rank: int = 0, pod_ip: str = "10.1.2.3") -> Any:
     """The agent's real vllm runtime for one node of a plan (GPUs named by gpu_uuids)."""
     from tests.agent.plans import gpu_uuids
     from weightcache.agent.config import AgentEnv, build_config, parse_plan
@@ -116,7 +116,7 @@ def runtime_for(plan: dict, node_rank: int = 0) -> Any:
     parsed = parse_plan(json.dumps(plan))
     node = next(n["node"] for n in plan["nodes"] if n["rank"] == node_rank)
     env = AgentEnv(cache=plan["cache"], namespace=plan["namespace"], node=node,
-                   pod_ip="10.1.2.3", pod_name=f"{plan['cache']}-agent-x",
+                   pod_ip=pod_ip, pod_name=f"{plan['cache']}-agent-x",
                    plan_path="/etc/weightcache/plan.json")
     n = plan["layout"]["worldSize"] // plan["nodeCount"]
     environ = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpu_uuids(n, node_rank)), "PATH": ""}

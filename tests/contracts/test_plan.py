@@ -67,3 +67,29 @@ def test_a_newer_version_is_refused_by_name():
     doc["version"] = PLAN_VERSION + 1
     with pytest.raises(PlanError, match="version 3 is newer"):
         Plan.from_doc(doc)
+
+
+def test_the_seed_source_round_trips_is_checked_and_restarts_nothing():
+    from weightcache.contracts.plan import SeedSource
+
+    raw = {"runtime": "vllm", "image": "v:1", "model": {"path": "/models/m"},
+           "parallelism": {"tensor": 16, "nodes": 2}, "warmup": {"seed": {"from": "old"}}}
+    spec = WeightCacheSpec.from_spec(raw, "ml", "llama")
+    bare = resources.plan(CACHE, spec, ["n0", "n1"], 1)
+    peer = SeedSource(cache="old", port=29800, hosts={1: "10.0.0.2", 0: "10.0.0.1"})
+    seeded = resources.plan(CACHE, spec, ["n0", "n1"], 1, seed_from=peer)
+    doc = json.loads(seeded.to_json())
+    assert doc["seedFrom"] == {"cache": "old", "port": 29800, "hosts": [
+        {"rank": 0, "host": "10.0.0.1"}, {"rank": 1, "host": "10.0.0.2"}]}
+    assert Plan.from_json(seeded.to_json()).seed_from == peer
+    assert Plan.from_json(bare.to_json()).seed_from is None
+    # Where the source's pods are never restarts this group's agents.
+    assert resources.plan_hash(seeded) == resources.plan_hash(bare)
+    for bad, words in (({**doc["seedFrom"], "port": 70000}, "seedFrom.port"),
+                       ({**doc["seedFrom"], "hosts": [{"rank": 2, "host": "h"}]},
+                        "not a node rank"),
+                       ({**doc["seedFrom"], "hosts": [{"rank": 0, "host": ""}]},
+                        r"hosts\[0\]\.host"),
+                       ("old", "seedFrom must be an object")):
+        with pytest.raises(PlanError, match=words):
+            Plan.from_doc({**doc, "seedFrom": bad})

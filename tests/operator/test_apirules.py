@@ -18,6 +18,7 @@ import yaml
 
 from weightcache import constants
 from weightcache.api.v1alpha1 import MAX_GPUS_PER_NODE, MAX_NODES, WeightCacheSpec, with_defaults
+from weightcache.contracts.plan import SeedSource
 from weightcache.operator import crd, events, podsecurity, resources
 from weightcache.operator import status as cache_status
 from weightcache.operator.kube import ApiError, Kube
@@ -121,6 +122,15 @@ EXTREMES: dict[str, dict[str, Any]] = {
         "gpusPerNode": 8,
         "resources": {"limits": {"memory": "64Gi", "nvidia.com/gpu": 8}},
     },
+    # A seed target of the most nodes: a peer address per node rank in the plan, the source's
+    # token mounted (docs/warmup.md, "Seeding new replicas").
+    "vllm-seed-target-most-nodes": {
+        "runtime": "vllm",
+        "image": "vllm/vllm-openai:v0.33.0",
+        "model": {"path": "/models/big"},
+        "parallelism": {"tensor": MAX_NODES, "nodes": MAX_NODES},
+        "warmup": {"seed": {"from": "s" * MAX_NAME_LENGTH}},
+    },
 }
 
 
@@ -132,7 +142,12 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
     typed = WeightCacheSpec.from_spec(spec, "ns", "c")
     lay = typed.layout()
     nodes = nodes[: lay.nodes]
-    doc = resources.plan(cache, typed, nodes, epoch=7)
+    seed_from = None
+    if typed.warmup.seed.from_:
+        # The longest address (IPv6) for every node rank.
+        seed_from = SeedSource(cache=typed.warmup.seed.from_, port=65535,
+                               hosts={r: "fd00:" + "ffff:" * 6 + "ffff" for r in range(lay.nodes)})
+    doc = resources.plan(cache, typed, nodes, epoch=7, seed_from=seed_from)
     options = resources.AgentOptions(
         runtime_class="nvidia", service_account="agent", priority_class="pc"
     )
@@ -140,6 +155,7 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
         resources.configmap(cache, doc),
         resources.service(cache, WeightCacheSpec.from_spec(spec, "ns", "c")),
         resources.daemonset(cache, doc.spec, doc, nodes, options),
+        resources.seed_secret(cache),
     ]
     states = [
         cache_status.NodeState(node=n, rank=i, ranks_total=typed.launched_layout().ranks_per_node)
@@ -155,11 +171,13 @@ def built_objects(namespace: str, name: str, raw: dict, nodes: list[str]) -> lis
                                    generation=3),
         cache_status.invalid({}, [Problem("spec.x", "y" * 100)], generation=3),
     ]  # fmt: skip
+    cache_status.with_condition(statuses[0], {}, cache_status.SEEDING, cache_status.Cond(
+        False, "SourceMismatch", server_message), 3)
     for status in statuses:
         status["podSecurity"] = "baseline"
         objs.append({"apiVersion": constants.API_VERSION, "kind": constants.KIND,
                      "metadata": cache["metadata"], "spec": raw, "status": status})  # fmt: skip
-    for reason in ("Placed", "ApplyRejected", "PodSecurity"):
+    for reason in ("Placed", "ApplyRejected", "PodSecurity", "SeedSourceMismatch"):
         objs.append(
             events.event_body(
                 events.cache_ref(cache["metadata"]),
@@ -343,6 +361,23 @@ def test_probes_volumes_ports_env_and_selector_rules_catch_breakage():
     assert _rules(ds) == {
         "pod.probes", "pod.ports", "pod.env", "pod.mounts", "pod.volumes", "daemonset.selector"
     }  # fmt: skip
+
+
+def test_secret_and_secret_volume_rules_catch_breakage():
+    cache = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u"}}
+    secret = resources.seed_secret(cache)
+    assert _rules(secret) == set()
+    secret["data"] = {"bad/key": "bm90", "token": "not base64!"}
+    assert _rules(secret) == {"secret.data"}
+    spec = WeightCacheSpec.from_spec({"runtime": "vllm", "image": "v:1", "model": {"path": "/m"},
+                                      "parallelism": {"tensor": 2}}, "ml", "llama")
+    ds = resources.daemonset(cache, spec, resources.plan(cache, spec, ["n1"], 1), ["n1"],
+                             resources.AgentOptions())
+    assert _rules(ds) == set()
+    (vol,) = [v for v in ds["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    vol["secret"]["defaultMode"] = 0o1777
+    vol["secret"]["items"][0]["path"] = "../token"
+    assert _rules(ds) == {"pod.secret-volume"}
 
 
 def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():

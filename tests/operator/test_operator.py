@@ -135,6 +135,7 @@ async def test_readiness_drives_status_pod_ranks_and_node_labels(cluster, operat
         "Ready": "True",
         "Progressing": "False",
         "Degraded": "False",
+        "Seeding": "True",  # a vLLM cache of world size > 1 serves seeds (docs/warmup.md)
     }
     key = C.node_ready_label(NS, "llama")
 

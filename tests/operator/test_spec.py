@@ -24,6 +24,7 @@ def test_defaults_fill_everything_and_keep_user_values():
         "health": 8478,
         "metrics": 9478,
         "grpc": 9479,
+        "seed": 29700,
     }
     assert spec["model"]["volume"] == {"hostPath": {"path": "/models", "type": "Directory"}}
     assert spec["engine"] == {
@@ -140,3 +141,55 @@ def test_valid_vllm_images():
         "vllm/vllm-openai@sha256:" + "a" * 64,
     ):
         assert _fields({**BASE, "runtime": "vllm", "image": image}) == []
+
+
+VLLM_TP2 = {"runtime": "vllm", "image": "vllm/vllm-openai:v0.33.0", "model": {"path": "/models/m"},
+            "parallelism": {"tensor": 2}}
+
+
+def _seed(seed: dict, **extra) -> dict:
+    return {**VLLM_TP2, **extra, "warmup": {**extra.pop("warmup", {}), "seed": seed}}
+
+
+def test_a_seed_source_must_be_a_cache_of_the_same_namespace():
+    assert validate(_seed({"from": "old"}), "new") == []
+    for source, words in (("other-ns/old", "never crosses namespaces"),
+                          ("Old_1", "not a valid WeightCache name"),
+                          ("new", "cannot seed from itself")):
+        problems = validate(_seed({"from": source}), "new")
+        assert [p.field for p in problems] == ["spec.warmup.seed.from"], source
+        assert words in problems[0].message
+
+
+def test_seed_from_contradictions_name_the_field():
+    cases = (
+        (_seed({"from": "old", "enabled": False}), "seed.enabled is false"),
+        ({**_seed({"from": "old"}), "warmup": {"enabled": False, "seed": {"from": "old"}}},
+         "warmup.enabled: true"),
+        ({**BASE, "warmup": {"seed": {"from": "old"}}}, "runtime vllm only"),
+        (_seed({"enabled": "yes"}), "true or false"),
+    )
+    for spec, words in cases:
+        problems = validate(spec, "new")
+        assert len(problems) == 1 and problems[0].field.startswith("spec.warmup.seed"), problems
+        assert words in problems[0].message, problems
+
+
+def test_the_seed_port_block_must_fit_and_miss_the_other_ports():
+    # TP 8: ports 29596..29603 hold the rendezvous ports 29600 and 29601.
+    tp8 = {**VLLM_TP2, "parallelism": {"tensor": 8}}
+    problems = validate({**tp8, "ports": {"seed": 29596}}, "c")
+    assert [p.field for p in problems] == ["spec.ports.seed"] * 2
+    assert "29596-29603" in problems[0].message and "rendezvous 29600" in problems[0].message
+    assert [p.field for p in validate({**tp8, "ports": {"seed": 65530}}, "c")] == [
+        "spec.ports.seed"]
+    # A draft group doubles the block (vLLM puts it after the target's).
+    spec = {**tp8, "engineArgs": {"speculativeConfig": {"method": "mtp"}},
+            "ports": {"seed": 29592}}
+    assert [p.field for p in validate(spec, "c")] == ["spec.ports.seed"] * 2
+    assert validate({**tp8, "ports": {"seed": 29592}}, "c") == []
+    # Seeding off, or world size 1 (vLLM 0.33 does not seed it): the block is not used.
+    assert validate({**tp8, "ports": {"seed": 65530},
+                     "warmup": {"seed": {"enabled": False}}}, "c") == []
+    assert validate({**VLLM_TP2, "parallelism": {"tensor": 1}, "ports": {"seed": 65535}},
+                    "c") == []

@@ -356,9 +356,14 @@ class Ports(_Object):
                          constants.DEFAULT_PORTS["metrics"])
     grpc: int = _port("gRPC status/control port of the agent (also the gRPC health service).",
                       constants.DEFAULT_PORTS["grpc"])
+    seed: int = _port(
+        "First port of the warmup seed listeners (vLLM --seed-listen-port; runtime vllm with "
+        "warmup.seed on): each daemon listens on seed + its global rank (draft daemons after "
+        "the target block), on the pod IP.",
+        constants.DEFAULT_PORTS["seed"])
 
     NAMES: ClassVar[tuple[str, ...]] = ("rendezvous", "draftRendezvous", "health", "metrics",
-                                         "grpc")
+                                         "grpc", "seed")
 
     def by_name(self) -> dict[str, int]:
         """The ports keyed by their spec names (what the agent's runtimes look up)."""
@@ -374,6 +379,29 @@ class RunAs(_Object):
 
     uid: int = prop("User ID.", kind="integer", minimum=0, default=1000)
     gid: int = prop("Group ID.", kind="integer", minimum=0, default=1000)
+
+
+@dataclass(frozen=True)
+class Seed(_Object):
+    DESCRIPTION = (
+        "Seeding new replicas (runtime vllm, world size > 1): the daemons of a cache serve "
+        "their FlashInfer autotune tables to the daemons of caches that name it in `from`, "
+        "over vLLM's token-authenticated seed channel, so those start without tuning again "
+        "(docs/warmup.md, \"Seeding new replicas\")."
+    )
+
+    enabled: bool = prop(
+        "Serve this cache's tables to caches naming it in `from` (or, with `from`, adopt "
+        "them). false passes no seed flags at all.",
+        kind="boolean", default=True,
+    )
+    from_: str | None = prop(
+        "Name of another WeightCache in the same namespace (never another namespace) with the "
+        "same runtime, image, model, engine arguments and layout: each node adopts the "
+        "tables of the source's node of the same node rank while the source is Ready. A "
+        "source that is not Ready or differs only means no seeding (condition Seeding).",
+        kind="string", minLength=1, maxLength=63, pattern="^[a-z]([-a-z0-9]*[a-z0-9])?$",
+    )
 
 
 @dataclass(frozen=True)
@@ -399,6 +427,7 @@ class Warmup(_Object):
         "memory profiling when vLLM's fingerprint matches.",
         kind="boolean", default=True,
     )
+    seed: Seed = child(Seed)
 
 
 @dataclass(frozen=True)

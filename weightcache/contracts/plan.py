@@ -36,10 +36,27 @@ MAX_PLAN_BYTES = 1 << 20
 PLAN_VERSION = 2
 # What version 2 leaves out of `spec`: the layout is stated by `layout` and `gpusPerNode`.
 LAYOUT_KEYS = ("parallelism", "gpusPerNode")
+SEED_KEY = "seedFrom"
 
 
 class PlanError(ProjectError, ValueError):
     """A plan document that no agent can act on; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SeedSource:
+    """The source cache this group adopts warmup tables from (`spec.warmup.seed.from`), as
+    the operator found it Ready: the first seed port of its daemons and, per node rank, the
+    address of its agent pod holding that node rank (docs/warmup.md). A node rank without an
+    address has no ready peer and tunes by itself."""
+
+    cache: str
+    port: int
+    hosts: dict[int, str]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"cache": self.cache, "port": self.port,
+                "hosts": [{"rank": r, "host": h} for r, h in sorted(self.hosts.items())]}
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,8 @@ class Plan:
     nodes: dict[str, int]  # node name -> node rank, in rank order
     layout: Layout  # the launched layout: filler replicas counted in `data`
     spec: WeightCacheSpec = field(default_factory=WeightCacheSpec)
+    # Operator-observed, not part of what restarts the agents (resources.plan_hash).
+    seed_from: SeedSource | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -74,7 +93,9 @@ class Plan:
     def to_doc(self) -> dict[str, Any]:
         lay = self.layout
         spec = {k: v for k, v in self.spec.to_dict().items() if k not in LAYOUT_KEYS}
+        seed = {SEED_KEY: self.seed_from.to_doc()} if self.seed_from is not None else {}
         return {
+            **seed,
             "version": PLAN_VERSION,
             "cache": self.cache,
             "namespace": self.namespace,
@@ -153,6 +174,7 @@ class Plan:
             nodes=nodes,
             layout=layout,
             spec=_spec(raw, namespace, cache, layout, gpus),
+            seed_from=_seed_from(doc.get(SEED_KEY), node_count),
         )
 
 
@@ -212,6 +234,29 @@ def _layout(lay: Any, node_count: int) -> Layout:
         data_local=_int(lay, "dataLocal", "layout.", minimum=1, default=max(data // node_count, 1)),
         expert=bool(lay.get("expert", False)),
     )
+
+
+def _seed_from(raw: Any, node_count: int) -> SeedSource | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise PlanError(f"plan: {SEED_KEY} must be an object")
+    where = f"{SEED_KEY}."
+    port = _int(raw, "port", where, minimum=1)
+    if port > 65535:
+        raise PlanError(f"plan: {where}port must be a port 1-65535, got {port}")
+    hosts: dict[int, str] = {}
+    items = raw.get("hosts")
+    if not isinstance(items, list):
+        raise PlanError(f"plan: {where}hosts must be a list of {{rank, host}}")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise PlanError(f"plan: {where}hosts[{i}] must be an object")
+        rank = _int(item, "rank", f"{where}hosts[{i}].")
+        if rank >= node_count:
+            raise PlanError(f"plan: {where}hosts[{i}].rank {rank} is not a node rank")
+        hosts[rank] = _str(item, "host", f"{where}hosts[{i}].")
+    return SeedSource(cache=_str(raw, "cache", where), port=port, hosts=hosts)
 
 
 def _spec(

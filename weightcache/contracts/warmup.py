@@ -56,10 +56,17 @@ def identity(spec: WeightCacheSpec, cache_uid: str) -> str:
     Not the epoch, node, ports or resources: they do not change what is compiled. `spec`
     must be valid (`operator.spec.validate`).
     """
+    document = {"uid": cache_uid, "runAs": spec.run_as.uid, **compiled_for(spec)}
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:IDENTITY_HEX]
+
+
+def compiled_for(spec: WeightCacheSpec) -> dict[str, Any]:
+    """What the compiled and tuned artifacts depend on, of a valid spec: the runtime, the
+    image, the served model, the engine arguments and the launched layout (the identity
+    without the cache object; also what two seed peers must share, contracts/seed.py)."""
     layout = spec.launched_layout()
     document: dict[str, Any] = {
-        "uid": cache_uid,
-        "runAs": spec.run_as.uid,
         "runtime": spec.runtime,
         "image": spec.image,
         "model": {"path": spec.model.path, "revision": spec.model.revision},
@@ -69,8 +76,7 @@ def identity(spec: WeightCacheSpec, cache_uid: str) -> str:
     }
     if spec.runtime == "native":
         document["device"] = spec.device_kind
-    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:IDENTITY_HEX]
+    return document
 
 
 def identity_dir(spec: WeightCacheSpec, cache_uid: str) -> str:

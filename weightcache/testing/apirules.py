@@ -190,6 +190,18 @@ RULES: dict[str, Rule] = {
             f"{CORE} ValidateService, validateServicePort",
         ),
         Rule(
+            "secret.data",
+            "Secret keys match [-._a-zA-Z0-9]+ (<= 253), values are base64 (the decoded data "
+            "together <= 1 MiB); type is a qualified name",
+            f"{CORE} ValidateSecret -> {APIMACHINERY} IsConfigMapKey",
+        ),
+        Rule(
+            "pod.secret-volume",
+            "a secret volume names its secretName; defaultMode and item modes are 0..0777, "
+            "item keys valid and item paths relative without '..'",
+            f"{CORE} validateSecretVolumeSource, validateKeyToPath",
+        ),
+        Rule(
             "configmap.data",
             "ConfigMap keys match [-._a-zA-Z0-9]+ (<= 253); all data together <= 1 MiB",
             f"{CORE} ValidateConfigMap -> {APIMACHINERY} IsConfigMapKey",
@@ -590,6 +602,8 @@ def pod_spec(out: _Out, spec: Mapping[str, Any], field: str) -> None:
         volumes.add(name)
         sources = [k for k in vol if k in VOLUME_SOURCES and vol[k] is not None]
         out.need(len(sources) == 1, "pod.volumes", vf, f"exactly one source, has {sources}")
+        if "secret" in sources:
+            _secret_volume(out, vol["secret"] or {}, f"{vf}.secret")
         if "hostPath" in sources:
             hp = vol["hostPath"] or {}
             out.need(bool(hp.get("path")), "pod.volumes", f"{vf}.hostPath.path", "required")
@@ -726,6 +740,40 @@ def _configmap(out: _Out, obj: Mapping[str, Any]) -> None:
         )
     size = sum(len(k) + len(v.encode()) for k, v in data.items() if isinstance(v, str))
     out.need(size <= 1 << 20, "configmap.data", "data", f"{size} bytes > 1 MiB")
+
+
+def _secret_volume(out: _Out, sv: Mapping[str, Any], field: str) -> None:
+    out.need(bool(sv.get("secretName")), "pod.secret-volume", f"{field}.secretName", "required")
+    modes = [("defaultMode", sv.get("defaultMode"))]
+    for i, item in enumerate(sv.get("items") or []):
+        key, rel = item.get("key"), item.get("path")
+        out.need(isinstance(key, str) and bool(CONFIGMAP_KEY.match(key)), "pod.secret-volume",
+                 f"{field}.items[{i}].key", repr(key))
+        out.need(isinstance(rel, str) and bool(rel) and not rel.startswith("/")
+                 and ".." not in rel.split("/"), "pod.secret-volume",
+                 f"{field}.items[{i}].path", repr(rel))
+        modes.append((f"items[{i}].mode", item.get("mode")))
+    for name, mode in modes:
+        if mode is not None:
+            out.need(isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 0o777,
+                     "pod.secret-volume", f"{field}.{name}", repr(mode))
+
+
+def _secret(out: _Out, obj: Mapping[str, Any]) -> None:
+    import base64
+    import binascii
+
+    size = 0
+    for key, value in (obj.get("data") or {}).items():
+        out.need(len(key) <= 253 and bool(CONFIGMAP_KEY.match(key)), "secret.data",
+                 f"data[{key}]", "key")
+        try:
+            size += len(base64.b64decode(value, validate=True))
+        except (binascii.Error, TypeError, ValueError):
+            out.add("secret.data", f"data[{key}]", "not base64")
+    out.need(size <= 1 << 20, "secret.data", "data", f"{size} bytes > 1 MiB")
+    kind = obj.get("type", "Opaque")
+    out.need(is_qualified_name(kind), "secret.data", "type", repr(kind))
 
 
 def _event(out: _Out, obj: Mapping[str, Any]) -> None:
@@ -868,6 +916,7 @@ CHECKS: dict[str, Callable[[_Out, Mapping[str, Any]], None]] = {
     "DaemonSet": _daemonset,
     "Service": _service,
     "ConfigMap": _configmap,
+    "Secret": _secret,
     "Event": _event,
     "Job": _job,
     "Pod": lambda out, obj: pod_spec(out, obj.get("spec") or {}, "spec"),
