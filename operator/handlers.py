@@ -435,7 +435,7 @@ class Controller:
 
     async def _update_model(self, run: Pass) -> None:
         """Move the group to spec.model in place; once it serves it, rewrite the plan."""
-        if run.served == run.desired:
+        if run.served == run.desired and self.updates.get(run.key) is None:
             if run.update_cond is None:
                 run.update_cond = self._nothing_to_update(run)
             return
@@ -562,7 +562,9 @@ class Controller:
 
         Returns the served revision, the Updating condition and the per-node generations."""
         target = f"{desired['path']}@{desired['revision']}"
-        by_address = {f"{p.ip}:{spec.ports.grpc}": p for p in current.values()}
+        # By node rank: the first commits alone (operator/agentupdate.py).
+        by_address = {f"{p.ip}:{spec.ports.grpc}": p
+                      for p in sorted(current.values(), key=lambda p: ranks.get(p.node, 0))}
         running = self.updates.get(key)
         if running is not None and not running.done:
             if running.target != desired or set(running.members) != set(by_address):
@@ -580,6 +582,10 @@ class Controller:
             outcome = await self._update_done(body, served, finished)
             if outcome is not None:
                 return outcome
+            if served == desired:  # stopped because spec.model went back to the served one
+                return served, status.Cond(
+                    False, "Serving", f"spec.model is {target}, the revision the group serves: "
+                    f"the update to {finished.label} was stopped before COMMIT"), {}
         old = next(
             (c for c in previous.get("conditions") or () if c.get("type") == status.UPDATING),
             None,
