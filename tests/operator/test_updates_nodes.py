@@ -271,6 +271,23 @@ async def test_an_operator_restarted_mid_update_converges(cluster, nodes, revisi
     assert cond.get("reason") != "Updated", "the first operator finished before it stopped"
 
 
+async def slow_pause_mid_update(cluster, port: int, group: list[Node], revisions,
+                                pause_s: float) -> None:
+    """Serve A, then update to B with gpu-a's engine taking `pause_s` to pause; returns while
+    gpu-a pauses and gpu-b is paused (the update is between PAUSE and WRITE)."""
+    a, b = group
+    a.start_engine(revisions, "--pause-sleep", str(pause_s))
+    b.start_engine(revisions)
+    await ready_cache(cluster, port, revisions)
+    await engines_serve(group, "A")
+    await update_to(cluster, revisions["B"], "b", 2)
+
+    async def pausing():
+        return "pause" in a.status().get("events", []) and b.status().get("paused")
+
+    await eventually(pausing, timeout=30)
+
+
 def cache_gone(cluster):
     async def check():
         return await cluster.cache("llama") is None
@@ -283,18 +300,8 @@ async def test_a_spec_change_during_a_slow_pause_is_reconciled_at_once_and_stops
     pass is not queued behind the update (status follows the new generation within seconds),
     the update is stopped before COMMIT and no engine ever runs B."""
     port, group = nodes
-    a, b = group
-    a.start_engine(revisions, "--pause-sleep", "15")
-    b.start_engine(revisions)
     async with running_operator():
-        await ready_cache(cluster, port, revisions)
-        await engines_serve(group, "A")
-        await update_to(cluster, revisions["B"], "b", 2)
-
-        async def pausing():
-            return "pause" in a.status().get("events", []) and b.status().get("paused")
-
-        await eventually(pausing, timeout=30)
+        await slow_pause_mid_update(cluster, port, group, revisions, 15)
         await update_to(cluster, revisions["A"], "", 3)
         asked = time.monotonic()
 
@@ -306,7 +313,7 @@ async def test_a_spec_change_during_a_slow_pause_is_reconciled_at_once_and_stops
         seen_after = time.monotonic() - asked
         cond = await updating(cluster, "Serving", timeout=60)
         out = await engines_serve(group, "A", generation=1)
-    assert "pause" in a.status()["events"] and seen_after < 8
+    assert "pause" in group[0].status()["events"] and seen_after < 8
     superseding = next(c for c in status["conditions"] if c["type"] == "Updating")
     assert superseding["reason"] == "Superseding", superseding
     assert f"{revisions['B']}@b" in superseding["message"]
@@ -322,18 +329,8 @@ async def test_a_deletion_during_an_update_leaves_no_engine_paused(cluster, node
     the deletion stops the update, every node aborts, both engines resume on A once gpu-a's
     pause ends (not after the agents' 30 s hold), and nothing switches to B."""
     port, group = nodes
-    a, b = group
-    a.start_engine(revisions, "--pause-sleep", "12")
-    b.start_engine(revisions)
     async with running_operator():
-        await ready_cache(cluster, port, revisions)
-        await engines_serve(group, "A")
-        await update_to(cluster, revisions["B"], "b", 2)
-
-        async def pausing():
-            return "pause" in a.status().get("events", []) and b.status().get("paused")
-
-        await eventually(pausing, timeout=30)
+        await slow_pause_mid_update(cluster, port, group, revisions, 12)
         started = time.monotonic()
         await cluster.delete(cache_url("llama"))
         await eventually(cache_gone(cluster), timeout=40)
