@@ -66,8 +66,8 @@ test: $(STAMP) tools prometheus vllm-conformance
 
 # The property tests of the native cache with many more examples (minutes, not seconds).
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz PRELOAD_EXAMPLES=150 $(BIN)/python -m pytest -q -p no:logging --hypothesis-show-statistics \
-	  tests/native/test_robustness.py tests/native/test_preload_refuses.py
+	HYPOTHESIS_PROFILE=fuzz PRELOAD_EXAMPLES=150 $(BIN)/python -m pytest -q -p no:logging --timeout 3600 --hypothesis-show-statistics \
+	  tests/native/test_robustness.py tests/native/test_preload_refuses.py tests/native/test_update_fuzz.py
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m gpu tests

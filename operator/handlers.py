@@ -6,7 +6,8 @@ Shape of the machinery:
   never re-places a healthy group.
 - each WeightCache gets a kopf daemon that reconciles on start, whenever something relevant
   changes (spec update, a node's readiness/labels/taints/GPUs, one of its agent pods) and
-  every `resync` seconds; a per-cache lock serialises reconciliations.
+  every `resync` seconds; a per-cache lock serialises reconciliations, and is held only for
+  short steps: an in-place update runs as a task of its own (operator/updatetask.py).
 - reconciling = validate -> place -> apply the plan ConfigMap, rendezvous Service and agent
   DaemonSet -> label agent pods with their node rank -> status, events, node labels.
 - every failure to converge is visible: a write the API server rejects, agent pods the
@@ -44,6 +45,7 @@ from weightcache.operator import (
     podsecurity,
     resources,
     status,
+    updatetask,
 )
 from weightcache.operator import nodes as node_labels
 from weightcache.operator.kube import ApiError, Kube, login, path
@@ -262,6 +264,7 @@ class Controller:
     phases: dict[CacheKey, str] = field(default_factory=dict)
     # Per cache: the update target last tried and when (monotonic seconds): the retry's clock.
     update_tries: dict[CacheKey, tuple[str, float]] = field(default_factory=dict)
+    updates: updatetask.Updates = field(default_factory=updatetask.Updates)
     node_summaries: dict[str, tuple] = field(default_factory=dict)
     last_reconcile: float = 0.0
     reconciles: int = 0
@@ -530,16 +533,16 @@ class Controller:
 
     async def _update_model(self, run: Pass) -> None:
         """Move the group to spec.model in place; once it serves it, rewrite the plan."""
-        if run.served == run.desired:
+        if run.served == run.desired and self.updates.get(run.key) is None:
             if run.update_cond is None:
                 run.update_cond = self._nothing_to_update(run)
             return
         run.served, run.update_cond, updated = await self._update_in_place(
             run.key, run.body, run.previous, run.spec, run.desired, run.served, run.current,
             run.ranks)
-        if run.served != run.desired:
+        run.generations = {**run.generations, **updated}
+        if not updated or run.served != run.desired:
             return
-        run.generations = updated
         try:
             await self._apply(resources.configmap(run.body, run.plan()), "v1", "configmaps")
         except ApiError as exc:
@@ -604,7 +607,9 @@ class Controller:
             seen = run.generations.get(entry["node"]) or {}
             same_pod = seen.get("pod") == entry["pod"]
             entry["generation"] = int(seen.get("generation", 1)) if same_pod else 1
-            entry["revision"] = run.served["revision"]
+            # A partial update leaves committed nodes on the target's revision.
+            entry["revision"] = str(seen.get("revision", run.served["revision"])
+                                    if same_pod else run.served["revision"])
         status.with_updating(new, run.previous, run.update_cond, run.generation)
         status.with_condition(new, run.previous, status.SEEDING, run.seed_cond, run.generation,
                               carry=False)
@@ -649,16 +654,42 @@ class Controller:
         current: Mapping[str, PodInfo],
         ranks: Mapping[str, int],
     ) -> tuple[dict[str, str], status.Cond, dict[str, dict[str, Any]]]:
-        """Try the in-place update of a target revision when the whole group is ready; a
-        refused or failed try is repeated every `update_retry_s` (a paused engine, an
-        unreachable agent or a rollback can pass), never for a refused checkpoint (NO_RETRY).
+        """Start the in-place update of a target revision when the whole group is ready, as a
+        task (operator/updatetask.py); while it runs, report its phase; once done, take its
+        result. A refused or failed try is repeated every `update_retry_s` (a paused engine,
+        an unreachable agent or a rollback can pass), never for a refused checkpoint
+        (NO_RETRY).
 
         Returns the served revision, the Updating condition and the per-node generations."""
+        target = f"{desired['path']}@{desired['revision']}"
+        # By node rank: the first commits alone (operator/agentupdate.py).
+        by_address = {f"{p.ip}:{spec.ports.grpc}": p
+                      for p in sorted(current.values(), key=lambda p: ranks.get(p.node, 0))}
+        running = self.updates.get(key)
+        if running is not None and not running.done:
+            if running.target != desired or set(running.members) != set(by_address):
+                why = (f"spec.model is now {target}" if running.target != desired
+                       else "the group's agents changed")
+                running.ask_stop(why)
+                return served, status.Cond(True, "Superseding",
+                                           f"stopping the in-place update to {running.label} "
+                                           f"({why}) before updating to {target}"), {}
+            return served, status.Cond(True, "InProgress",
+                                       f"updating in place to {target}: {running.phase} on "
+                                       f"{len(running.members)} node(s)"), {}
+        finished = self.updates.take(key)
+        if finished is not None:
+            outcome = await self._update_done(body, served, finished)
+            if outcome is not None:
+                return outcome
+            if served == desired:  # stopped because spec.model went back to the served one
+                return served, status.Cond(
+                    False, "Serving", f"spec.model is {target}, the revision the group serves: "
+                    f"the update to {finished.label} was stopped before COMMIT"), {}
         old = next(
             (c for c in previous.get("conditions") or () if c.get("type") == status.UPDATING),
             None,
         )
-        target = f"{desired['path']}@{desired['revision']}"
         if (old is not None and old.get("reason") not in ("Updated", "Recreated")
                 and f"update to {target} " in (old.get("message") or "")
                 and not self._retry_due(key, target, old.get("reason"))):
@@ -669,10 +700,41 @@ class Controller:
         if not group_ready:
             return served, status.Cond(True, "WaitingForGroup",
                                   f"waiting for every node to be ready to update to {target}"), {}
-        by_address = {f"{p.ip}:{spec.ports.grpc}": p for p in current.values()}
+        if body["metadata"].get("deletionTimestamp"):
+            return served, status.Cond(True, "WaitingForGroup", "the cache is being deleted"), {}
         self.update_tries[key] = (target, time.monotonic())
-        result = await agentupdate.update_group(list(by_address), desired["path"],
-                                                desired["revision"])
+        started = updatetask.Running(
+            target=dict(desired), members={a: (p.node, p.name) for a, p in by_address.items()})
+        self.updates.start(key, started, lambda stop, progress: agentupdate.update_group(
+            list(by_address), desired["path"], desired["revision"], stop=stop,
+            progress=progress), lambda: self.poke(key))
+        return served, status.Cond(True, "InProgress",
+                                   f"updating in place to {target}: PREPARE on "
+                                   f"{len(by_address)} node(s)"), {}
+
+    async def _update_done(
+        self, body: Mapping[str, Any], served: dict[str, str], done: updatetask.Running,
+    ) -> tuple[dict[str, str], status.Cond, dict[str, dict[str, Any]]] | None:
+        """The outcome of a finished update; None when it was stopped (nothing changed)."""
+        result, target = done.result(), done.label
+        node_of = {a: m[0] for a, m in done.members.items()}
+        gens = {done.members[a][0]: {"pod": done.members[a][1], "generation": g,
+                                     "revision": done.target["revision"]}
+                for a, g in result.generations.items()}
+        if result.reason == agentupdate.STOPPED:
+            message = f"update to {target} stopped ({done.why_stopped}): {result.message}"
+            await self.event(body, "Normal", "UpdateStopped", message)
+            return None
+        if result.reason == agentupdate.PARTIAL:
+            on_target = ", ".join(f"{node_of[a]} generation {g}"
+                                  for a, g in result.generations.items())
+            others = "; ".join(f"{node_of[a]} ({a}) {what}"
+                               for a, what in result.failed.items())
+            message = (f"update to {target} partly failed during COMMIT: "
+                       f"{done.target['path']}@{done.target['revision']} is served by "
+                       f"{on_target}; not by {others}; failures: {result.message}")
+            await self.event(body, "Warning", result.reason, message)
+            return served, status.Cond(False, result.reason, message), gens
         if not result.ok:
             outcome = ("failed" if result.broken else "rolled back"
                        if result.reason == agentupdate.ROLLED_BACK else "refused")
@@ -680,13 +742,11 @@ class Controller:
                        f"{result.message}; still serving {served['path']}@{served['revision']}")
             await self.event(body, "Warning", result.reason, message)
             return served, status.Cond(False, result.reason, message), {}
-        gens = {by_address[a].node: {"pod": by_address[a].name, "generation": g}
-                for a, g in result.generations.items()}
         message = (f"updated in place to {target} on {len(gens)} node(s), generation "
                    f"{max(result.generations.values(), default=0)}"
                    + (f"; without rollback ({result.no_rollback})" if result.no_rollback else ""))
         await self.event(body, "Normal", "Updated", message)
-        return dict(desired), status.Cond(False, "Updated", message), gens
+        return dict(done.target), status.Cond(False, "Updated", message), gens
 
     @staticmethod
     def _group_failed(
@@ -879,6 +939,11 @@ class Controller:
         assert self.kube is not None
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
+        # A pass in flight finishes first (short: updates run beside it), then the update
+        # of this cache is stopped and its aborts awaited: no engine stays paused.
+        async with self.locks.setdefault((namespace, name), asyncio.Lock()):
+            pass
+        await self.updates.stop((namespace, name), "the cache is being deleted")
         await self.kube.delete(
             path("apps/v1", "daemonsets", namespace, constants.agent_daemonset_name(name))
         )
@@ -951,6 +1016,7 @@ async def _startup(memo: Any, **_: Any) -> None:
 @kopf.on.cleanup(registry=registry)
 async def _cleanup(memo: Any, **_: Any) -> None:
     ctl = controller(memo)
+    await ctl.updates.stop_all("the operator is stopping")
     if ctl.kube is not None:
         await ctl.kube.close()
         ctl.kube = None

@@ -10,7 +10,8 @@ asks of an engine: attach again (with fallback: from disk if the cache cannot se
 
 Fault hooks for the tests: `--pause-sleep S` delays this engine's pause ack (so the other
 nodes' PAUSE replies come first), `--pause-kill PID --kill-delay S` kills a process (a daemon)
-S seconds after this engine acknowledged the pause.
+S seconds after this engine acknowledged the pause, `--finish-kill PID` kills a process the
+moment this engine is told its daemon committed (finish), before it resumes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class Engine:
             threading.Timer(delay, os.kill, (pid, signal.SIGKILL)).start()
 
     def _on_resume(self, generation: int, changed: bool) -> None:
+        if changed and self.args.finish_kill:
+            os.kill(self.args.finish_kill, signal.SIGKILL)
+            self.args.finish_kill = 0  # once
         self.events.append("finish" if changed else "resumed")
         self.generations.append(generation)
 
@@ -130,6 +134,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pause-sleep", type=float, default=0.0)
     p.add_argument("--pause-kill", type=int, default=0)
     p.add_argument("--kill-delay", type=float, default=0.2)
+    p.add_argument("--finish-kill", type=int, default=0)
     args = p.parse_args(argv)
     engine = Engine(args)
     stop = threading.Event()

@@ -33,6 +33,8 @@ class Agent(agent_pb2_grpc.AgentServicer):
         self.generation = 1
         self.refuse = refuse
         self.unpausable = 0  # PAUSE refusals left (an engine that cannot pause right now)
+        self.failing_commit = "\0"  # COMMIT of a path containing this fails (rolled back here)
+        self.wrote = False
 
     async def Status(self, request, context):
         return agent_pb2.StatusResponse(cache="llama", ready=True, generation=self.generation)
@@ -48,8 +50,18 @@ class Agent(agent_pb2_grpc.AgentServicer):
             self.unpausable -= 1
             return agent_pb2.UpdateResponse(ok=False, error="unpausable_engine",
                                             message="engine pid 4242 did not pause")
+        if phase == "WRITE":
+            self.wrote = True
+        if phase == "ABORT":  # like the real agent: written bytes go back from the host copy
+            wrote, self.wrote = self.wrote, False
+            return agent_pb2.UpdateResponse(ok=True, rolled_back=wrote)
+        if phase == "COMMIT" and self.failing_commit in request.model_path:
+            self.wrote = False
+            return agent_pb2.UpdateResponse(ok=False, error="broken", rolled_back=True,
+                                            message="rank 0: the daemon closed the connection")
         if phase in ("COMMIT", "ALL"):
             self.generation += 1
+            self.wrote = False
         return agent_pb2.UpdateResponse(ok=True, generation=self.generation,
                                         revision=request.revision)
 
@@ -284,3 +296,22 @@ async def test_a_passing_refusal_is_retried_a_refused_layout_is_not(cluster, age
         await updating(cluster, "LayoutMismatch")
         await asyncio.sleep(3.5)  # three backoffs and several resyncs
         assert b.calls.count(("PREPARE", "/models/bad-layout")) == 1
+
+
+async def test_the_first_node_commits_alone_and_its_failure_rolls_every_node_back(
+        cluster, operator, agents):
+    """gpu-a (rank 0) fails its COMMIT: gpu-b, which wrote too, never gets a COMMIT; it is
+    aborted (its host copy goes back) and the group keeps the old revision whole."""
+    port, (a, b) = agents
+    a.failing_commit = "commit-fails"
+    await ready_group(cluster, spec(port))
+    await cluster.patch(cache_url("llama"), {"metadata": {"generation": 2}, "spec": {
+        "model": {"path": "/models/commit-fails", "revision": "c"}}})
+    status = await updating(cluster, "RolledBack")
+    cond = next(c for c in status["conditions"] if c["type"] == "Updating")
+    assert "127.0.0.1" in cond["message"] and "every node was rolled back" in cond["message"]
+    assert "still serving /models/a@" in cond["message"]
+    assert a.calls[-1] == ("COMMIT", "/models/commit-fails")
+    assert [phase for phase, _ in b.calls] == ["PREPARE", "PAUSE", "WRITE", "ABORT"]
+    assert status["model"] == {"path": "/models/a", "revision": ""}
+    assert [n["generation"] for n in status["nodes"]] == [1, 1]

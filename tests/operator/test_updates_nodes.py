@@ -8,7 +8,10 @@ What is asserted is the group's promise (docs/updates.md "Groups and nodes"): bo
 switch at one barrier, at the same addresses, or neither does; a refusal on one node changes
 no node and the condition says why; a node whose daemon dies after PAUSE rolls the other node
 back (reason RolledBack) with no engine left paused and no torn bytes served; an operator
-restarted mid-update converges.
+restarted mid-update converges. The update runs beside the reconciler (operator/updatetask.py):
+while one node is slow to pause, a spec change of the same cache is reconciled at once and
+stops the update, and a deletion stops it with no engine left paused. A node that fails after
+the first node committed is reported node by node (PartiallyUpdated).
 """
 
 from __future__ import annotations
@@ -266,3 +269,115 @@ async def test_an_operator_restarted_mid_update_converges(cluster, nodes, revisi
         assert st["events"][-1] == "finish"
     assert generations(group) == [2, 2]
     assert cond.get("reason") != "Updated", "the first operator finished before it stopped"
+
+
+async def slow_pause_mid_update(cluster, port: int, group: list[Node], revisions,
+                                pause_s: float) -> None:
+    """Serve A, then update to B with gpu-a's engine taking `pause_s` to pause; returns while
+    gpu-a pauses and gpu-b is paused (the update is between PAUSE and WRITE)."""
+    a, b = group
+    a.start_engine(revisions, "--pause-sleep", str(pause_s))
+    b.start_engine(revisions)
+    await ready_cache(cluster, port, revisions)
+    await engines_serve(group, "A")
+    await update_to(cluster, revisions["B"], "b", 2)
+
+    async def pausing():
+        return "pause" in a.status().get("events", []) and b.status().get("paused")
+
+    await eventually(pausing, timeout=30)
+
+
+def cache_gone(cluster):
+    async def check():
+        return await cluster.cache("llama") is None
+    return check
+
+
+async def test_a_spec_change_during_a_slow_pause_is_reconciled_at_once_and_stops_it(
+        cluster, nodes, revisions):
+    """gpu-a's engine takes 15 s to pause. spec.model goes back to A while gpu-a pauses: the
+    pass is not queued behind the update (status follows the new generation within seconds),
+    the update is stopped before COMMIT and no engine ever runs B."""
+    port, group = nodes
+    async with running_operator():
+        await slow_pause_mid_update(cluster, port, group, revisions, 15)
+        await update_to(cluster, revisions["A"], "", 3)
+        asked = time.monotonic()
+
+        async def reconciled():
+            status = await cluster.status("llama")
+            return status if status.get("observedGeneration") == 3 else None
+
+        status = await eventually(reconciled, timeout=8)  # gpu-a still sleeps in its pause
+        seen_after = time.monotonic() - asked
+        cond = await updating(cluster, "Serving", timeout=60)
+        out = await engines_serve(group, "A", generation=1)
+    assert "pause" in group[0].status()["events"] and seen_after < 8
+    superseding = next(c for c in status["conditions"] if c["type"] == "Updating")
+    assert superseding["reason"] == "Superseding", superseding
+    assert f"{revisions['B']}@b" in superseding["message"]
+    assert "stopped before COMMIT" in cond["message"], cond
+    for st in out:  # paused once, resumed unchanged, never saw B
+        assert st["events"] == ["pause", "resumed"] and st["seen"] == ["A"], st
+    assert generations(group) == [1, 1]
+    assert status["model"]["path"] == str(revisions["A"])
+
+
+async def test_a_deletion_during_an_update_leaves_no_engine_paused(cluster, nodes, revisions):
+    """The cache is deleted while gpu-a's engine takes 12 s to pause (gpu-b's already paused):
+    the deletion stops the update, every node aborts, both engines resume on A once gpu-a's
+    pause ends (not after the agents' 30 s hold), and nothing switches to B."""
+    port, group = nodes
+    async with running_operator():
+        await slow_pause_mid_update(cluster, port, group, revisions, 12)
+        started = time.monotonic()
+        await cluster.delete(cache_url("llama"))
+        await eventually(cache_gone(cluster), timeout=40)
+
+        async def resumed():
+            out = [n.status() for n in group]
+            return out if all(s.get("events") == ["pause", "resumed"] and not s.get("paused")
+                              for s in out) else None
+
+        out = await eventually(resumed, timeout=25)  # the agents' hold would be 30 s more
+        waited = time.monotonic() - started
+    for st in out:
+        assert st["seen"] == ["A"] and st["generation"] == 1, st
+    assert waited < 25
+    for node in group:
+        update = hello(node.agent.status().ranks[0].socket_path)["update"]
+        assert update["phase"] == "idle" and update["generation"] == 1 and not update["broken"]
+
+
+async def test_a_node_failing_after_the_first_commit_is_reported_node_by_node(
+        cluster, nodes, revisions):
+    """gpu-a (rank 0) commits first; the moment its engine is told, gpu-b's daemon is killed,
+    so gpu-b's COMMIT fails. Nothing can undo gpu-a (its engines run B, its daemon no longer
+    holds A): the condition says which node serves which generation, and so does status."""
+    port, group = nodes
+    a, b = group
+    a.start_engine(revisions, "--finish-kill", str(b.daemon_pid()))
+    b.start_engine(revisions)
+    async with running_operator():
+        await ready_cache(cluster, port, revisions)
+        await engines_serve(group, "A")
+        await update_to(cluster, revisions["B"], "b", 2)
+        cond = await updating(cluster, "PartiallyUpdated")
+
+        async def settled():
+            st_a, st_b = a.status(), b.status()
+            return ((st_a, st_b) if st_a.get("serving") == "B" and st_b.get("serving") == "A"
+                    and not st_a.get("paused") and not st_b.get("paused") else None)
+
+        st_a, st_b = await eventually(settled, timeout=60)
+        status = await cluster.status("llama")
+    message = cond["message"]
+    assert f"{revisions['B']}@b is served by gpu-a generation 2" in message, message
+    assert "not by gpu-b (127.0.0.2:" in message, message
+    assert status["model"]["path"] == str(revisions["A"])  # the group as a whole: not B
+    by_node = {n["node"]: (n["generation"], n["revision"]) for n in status["nodes"]}
+    assert by_node == {"gpu-a": (2, "b"), "gpu-b": (1, "")}, by_node
+    assert st_a["events"] == ["pause", "finish"] and st_a["seen"] == ["A", "B"]
+    assert st_b["events"][:2] == ["pause", "broken"] and st_b["seen"] == ["A"]
+    assert generations(group)[0] == 2
