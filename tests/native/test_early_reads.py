@@ -183,3 +183,16 @@ def test_ranges_the_page_cache_holds_are_left_to_the_fill(tmp_path):
     want, _ = _fill(model, None)
     assert torch.equal(got, want)
     early.close()
+
+
+def test_the_fill_reads_at_the_idle_io_priority_when_asked(model, monkeypatch):
+    from weightcache.native.shared.coldload import IO_PRIORITY_ENV, io_priority
+
+    assert io_priority(None) is False and io_priority("idle") is True
+    with pytest.raises(ValueError, match=IO_PRIORITY_ENV):
+        io_priority("high")
+    monkeypatch.setenv(IO_PRIORITY_ENV, "idle")
+    want, plain = _fill(model, None)  # same bytes and record at any priority
+    monkeypatch.delenv(IO_PRIORITY_ENV)
+    got, stats = _fill(model, None)
+    assert torch.equal(got, want) and stats.record == plain.record

@@ -50,7 +50,14 @@ import numpy as np
 import torch
 
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
-from .earlyread import EarlyReads, cover_spans, grid_span, load_chunk, span_of
+from .earlyread import (
+    EarlyReads,
+    cover_spans,
+    grid_span,
+    idle_io_priority,
+    load_chunk,
+    span_of,
+)
 from .residency import resident
 
 MiB = 1 << 20
@@ -494,6 +501,18 @@ def _job_nbytes(job: Job) -> int:
     return sum(p.nbytes for p in job.pieces)
 
 
+IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
+
+
+def io_priority(value: str | None) -> bool:
+    """`WEIGHTCACHE_LOAD_IO_PRIORITY`: normal (default) or idle (the fill's reads go behind
+    every other process's, e.g. an engine importing its libraries from the same cold disk)."""
+    text = (value or "normal").strip().lower()
+    if text in {"normal", "idle"}:
+        return text == "idle"
+    raise ValueError(f"{IO_PRIORITY_ENV}={value!r}: use normal or idle")
+
+
 def direct_mode(value: str | bool | None) -> bool | str:
     """`WEIGHTCACHE_LOAD_DIRECT`: auto (default), 1/true/yes (always), 0/false/no (never)."""
     if isinstance(value, bool):
@@ -543,13 +562,14 @@ def load_entries(
     mode = direct_mode(os.environ.get("WEIGHTCACHE_LOAD_DIRECT") if direct is None else direct)
     if not hasattr(os, "O_DIRECT"):
         mode = False
+    idle = io_priority(os.environ.get(IO_PRIORITY_ENV))
     opened: dict[Path, int] = {}
     try:
         sink = _open_files(entries, digest, opened, share)
         if early is not None:
             early.accept({p: FileIdentity.of(os.fstat(fd)) for p, fd in opened.items()}
                          if sink is not None and sink.coverage is None else {})
-        return _load(entries, flat, threads, chunk, mode, progress, sink, opened, early)
+        return _load(entries, flat, threads, chunk, mode, progress, sink, opened, early, idle)
     finally:
         for fd in opened.values():
             os.close(fd)
@@ -593,7 +613,8 @@ def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:
 
 def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode: bool | str,
           progress: Callable[[int], None] | None, sink: ChunkSink | None,
-          opened: dict[Path, int], early: EarlyReads | None = None) -> LoadStats:
+          opened: dict[Path, int], early: EarlyReads | None = None, idle: bool = False
+          ) -> LoadStats:
     stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
@@ -625,6 +646,8 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+            if idle:
+                idle_io_priority()
             reader = _Reader(device, chunk, mode, opened)
             took = 0
             while True:
