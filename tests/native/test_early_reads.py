@@ -196,3 +196,21 @@ def test_the_fill_reads_at_the_idle_io_priority_when_asked(model, monkeypatch):
     monkeypatch.delenv(IO_PRIORITY_ENV)
     got, stats = _fill(model, None)
     assert torch.equal(got, want) and stats.record == plain.record
+
+
+def test_a_checkpoint_of_many_files_keeps_descriptors_bounded(tmp_path, monkeypatch):
+    """One file per tensor, more files than a reader keeps open: every byte still arrives."""
+    from weightcache.native.shared import earlyread
+
+    monkeypatch.setattr(earlyread, "MAX_OPEN_PER_THREAD", 4)
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=40)
+    files = open_checkpoint(model).files
+    assert len(files) > earlyread.MAX_OPEN_PER_THREAD
+    drop_page_cache(files, everything=False)
+    early = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=1, direct=True).start()
+    early.join()
+    got, stats = _fill(model, early)
+    want, plain = _fill(model, None)
+    assert torch.equal(got, want) and stats.record == plain.record
+    assert stats.early_bytes == early.read_bytes == sum(f.stat().st_size for f in files)
+    early.close()

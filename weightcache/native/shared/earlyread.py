@@ -57,6 +57,7 @@ DEFAULT_THREADS = 32
 BUFFERED_THREADS = 4
 DEFAULT_CHUNK = 16 * MiB
 MAX_BUDGET = 8 << 30  # about what the disk reads while torch starts (4-5 s at 1.6-2 GB/s)
+MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fill's readers do
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
 
 
@@ -228,6 +229,10 @@ class EarlyReads:
         try:
             if direct:
                 fd = direct_fds.get(job.path)
+                if fd is None and len(direct_fds) >= MAX_OPEN_PER_THREAD:
+                    for other in direct_fds.values():  # thousands of files: bounded descriptors
+                        os.close(other)
+                    direct_fds.clear()
                 if fd is None:
                     fd = direct_fds[job.path] = os.open(
                         f"/proc/self/fd/{base}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
