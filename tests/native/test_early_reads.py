@@ -170,16 +170,18 @@ def test_ranges_the_page_cache_holds_are_left_to_the_fill(tmp_path):
         pytest.skip("this kernel answers neither cachestat nor mincore")
     drop_page_cache([files[0]], everything=False)
     for f in files[1:]:
-        f.read_bytes()  # resident
+        f.read_bytes()  # resident (unless memory pressure evicts it again: then it is read)
     early = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=2).start()
     early.join()
     stats = early.stop()
     size0, rest = files[0].stat().st_size, sum(f.stat().st_size for f in files[1:])
     if stats["read_bytes"] == 0:
         pytest.skip("the file system keeps these pages (tmpfs?): nothing is cold here")
-    assert stats["read_bytes"] == size0 and stats["resident_bytes"] == rest
+    # Every byte is either read early or left to the fill as resident; the cold file is read.
+    assert stats["read_bytes"] + stats["resident_bytes"] == size0 + rest
+    assert stats["read_bytes"] >= size0 and stats["resident_bytes"] > 0
     got, fill = _fill(model, early)
-    assert fill.early_bytes == size0
+    assert fill.early_bytes == stats["read_bytes"]
     want, _ = _fill(model, None)
     assert torch.equal(got, want)
     early.close()
