@@ -56,6 +56,7 @@ from .earlyread import (
     grid_span,
     idle_io_priority,
     load_chunk,
+    read_fully,
     span_of,
 )
 from .residency import resident
@@ -338,7 +339,7 @@ class _Reader:
             hash_piece = None
         try:
             if not got:
-                got = _read_fully(self.fd(path, direct), view, lo)
+                got = read_fully(self.fd(path, direct), view, lo)
         except OSError:
             if not direct:
                 raise
@@ -346,7 +347,7 @@ class _Reader:
             self.mode = direct = False
             lo, hi = start, end
             view = memoryview(buf.numpy())[: hi - lo]
-            got = _read_fully(self.fd(path, False), view, lo)
+            got = read_fully(self.fd(path, False), view, lo)
         if got < end - lo:
             raise ContentError(f"{path}: only {got} of {end - lo} bytes at offset {lo}: the file "
                                "was truncated or replaced while it was being loaded")
@@ -366,7 +367,7 @@ class _Reader:
                   hash_piece: Callable[[memoryview, int], None]) -> int:
         got = 0
         while got < len(view):
-            n = _read_fully(fd, view[got : got + HOT_STEP], offset + got)
+            n = read_fully(fd, view[got : got + HOT_STEP], offset + got)
             if n:
                 t0 = time.perf_counter()
                 hash_piece(view[got : got + n], offset + got)
@@ -404,17 +405,6 @@ class _Reader:
         event = torch.cuda.Event()
         event.record(self.stream)
         self.events[slot] = event
-
-
-def _read_fully(fd: int, view: memoryview, offset: int) -> int:
-    got = 0
-    total = len(view)
-    while got < total:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 def copy_entry(raw: torch.Tensor, entry: Any, dst: torch.Tensor) -> None:

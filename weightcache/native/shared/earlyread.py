@@ -240,14 +240,14 @@ class EarlyReads:
             else:
                 fd, extent = base, n
             view = memoryview(self._map)[job.at : job.at + extent]
-            got = _read_fully(fd, view, job.start)
+            got = read_fully(fd, view, job.start)
         except OSError:
             if not direct:
                 return False
             self.direct = False  # the file system refuses O_DIRECT: buffered from now on
             try:
                 view = memoryview(self._map)[job.at : job.at + n]
-                got = _read_fully(base, view, job.start)
+                got = read_fully(base, view, job.start)
             except OSError:
                 return False
         if got < n:
@@ -315,7 +315,8 @@ class EarlyReads:
             self._map = None
 
 
-def _read_fully(fd: int, view: memoryview, offset: int) -> int:
+def read_fully(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes read into `view` from `offset`: all of it, or fewer only at the end of the file."""
     got = 0
     total = len(view)
     while got < total:
