@@ -76,34 +76,9 @@ def expert_specs(n: int) -> list[tuple[str, list[int]]]:
 def write_sparse(path: Path, specs: list[tuple[str, list[int]]], files: int = 1) -> Path:
     """A bf16 safetensors checkpoint of `specs` in `files` files (+ index when > 1); the data
     sections are holes."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    per = -(-len(specs) // files)
-    weight_map: dict[str, str] = {}
-    for k in range(files):
-        part = specs[k * per:(k + 1) * per]
-        name = ("model.safetensors" if files == 1
-                else f"model-{k + 1:05d}-of-{files:05d}.safetensors")
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for tensor, shape in part:
-            n = 2
-            for d in shape:
-                n *= d
-            header[tensor] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-            off += n
-            weight_map[tensor] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * ((8 - len(raw) % 8) % 8)
-        with open(path / name, "wb") as fh:
-            fh.write(len(raw).to_bytes(8, "little"))
-            fh.write(raw)
-            fh.truncate(8 + len(raw) + off)
-    if files > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    from weightcache.testing.checkpoints import split_specs, write_bf16_files
+
+    write_bf16_files(path, split_specs(specs, files), config={"tie_word_embeddings": False})
     return path
 
 

@@ -379,23 +379,11 @@ def sparse_checkpoint(path: Path, tensors: int, nbytes: int) -> Path:
     Attach time depends on the table and the mapping, not on the values: a sparse file makes
     a 64 GB shard possible on a 64 GB disk (reading a hole returns zeros without I/O).
     """
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    from weightcache.testing.checkpoints import write_bf16_files
+
     per = max(1, nbytes // tensors // 2 // 4096 * 4096)  # elements per tensor
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for i in range(tensors):
-        header[f"model.layers.{i}.w.weight"] = {"dtype": "BF16", "shape": [per // 1024, 1024],
-                                                 "data_offsets": [off, off + per // 1024 * 2048]}
-        off += per // 1024 * 2048
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    with open(path / "model.safetensors", "wb") as fh:
-        fh.write(len(raw).to_bytes(8, "little"))
-        fh.write(raw)
-        fh.truncate(8 + len(raw) + off)
-    (path / "config.json").write_text("{}")
+    write_bf16_files(path, [[(f"model.layers.{i}.w.weight", [per // 1024, 1024])
+                             for i in range(tensors)]], config={})
     return path
 
 
