@@ -20,6 +20,10 @@ trap 'rm -f weightcache/agent weightcache/operator' EXIT
 SHIM=/tmp/wc-shim
 rm -rf "$SHIM"; mkdir -p "$SHIM"; ln -s "$ROOT/weightcache" "$SHIM/weightcache"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+# Bytecode ahead of time, as an installed wheel has it (pip compiles at install): otherwise,
+# with PYTHONDONTWRITEBYTECODE, every process compiles each module it imports, and a module
+# first imported by an attach (a transport) is compiled on that attach's clock.
+python3 -m compileall -q -j 0 weightcache >/dev/null 2>&1 || true
 
 {
   echo "== environment $(date -u +%FT%TZ)"

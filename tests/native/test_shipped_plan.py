@@ -244,3 +244,29 @@ def test_the_compact_table_is_the_layout(ckpt):
     with pytest.raises(plantable.PlanTableError):
         plantable.decode(plantable.encode(layout, key, "bfloat16", None),
                          {**key, "tp_rank": 1})
+
+
+def test_a_kept_plan_of_files_that_changed_is_never_used(tmp_path, monkeypatch):
+    """The claim of a kept plan is sampled while the attach connects; a plan whose files
+    changed meanwhile must not shape the views (cache or disk)."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from weightcache.native.engine import plancache
+    from weightcache.testing.checkpoints import TINY, LlamaShape, write_llama_checkpoint
+
+    monkeypatch.setattr(plancache, "RACY_S", 0.2)
+    model = write_llama_checkpoint(tmp_path / "m", TINY, files=2)
+    time.sleep(0.3)
+    attach(model, socket_path=tmp_path / "none.sock", fallback=True)
+    assert attach(model, socket_path=tmp_path / "none.sock", fallback=True).plan == "kept"
+    wider = LlamaShape(hidden=128, layers=2, intermediate=256, vocab=256, heads=4, kv_heads=2)
+    write_llama_checkpoint(model, wider, files=2, seed=3)
+    res = attach(model, socket_path=tmp_path / "none.sock", fallback=True)
+    assert res.source == "disk" and res.plan == "made"
+    want: dict[str, torch.Tensor] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        want.update(load_file(str(f)))
+    for name, tensor in want.items():
+        assert torch.equal(res.state_dict[name], tensor), name
