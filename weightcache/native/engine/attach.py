@@ -200,10 +200,17 @@ class UnplannedShard:
 PLANS = plancache.PlanCache()
 
 
-def _cache_key(path: Path, tp_size: int, tp_rank: int, shard_rules: list[str] | None,
-               dtype: str) -> tuple[Any, ...]:
-    return (os.path.abspath(path), tp_size, tp_rank,
-            None if shard_rules is None else tuple(shard_rules), dtype)
+def _lookup(model_dir: str | os.PathLike, device: torch.device, device_index: int,
+            tp_size: int, tp_rank: int, shard_rules: list[str] | None, dtype: str,
+            ) -> tuple[str, tuple[Any, ...], int, tuple[Any, ...]]:
+    """(device identity, the plan cache's key, when planning starts, the directory's
+    stamps): what planning here and asking the daemon's plan both begin with."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
+    identity = device_identity(device.type, device_index)
+    key = (os.path.abspath(model_dir), tp_size, tp_rank,
+           None if shard_rules is None else tuple(shard_rules), dtype)
+    return identity, key, plancache.now_ns(), plancache.directory_stamps(Path(model_dir))
 
 
 class _Claim:
@@ -266,13 +273,8 @@ def plan_rank(
 
     With `cache`, a plan made earlier in this process from the very same files is reused
     (plancache.py says when); the claim is sampled anew either way."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
-    identity = device_identity(device.type, device_index)
-    path = Path(model_dir)
-    key = _cache_key(path, tp_size, tp_rank, shard_rules, dtype)
-    started = plancache.now_ns()
-    dirs = plancache.directory_stamps(path)
+    identity, key, started, dirs = _lookup(model_dir, device, device_index, tp_size, tp_rank,
+                                           shard_rules, dtype)
     kept = _kept(key, dirs, identity, device, own=True) if cache else None
     if kept is not None:
         return kept
@@ -307,13 +309,8 @@ def expect_rank(
 ) -> ExpectedShard | UnplannedShard:
     """The kept plan (with a fresh claim), or what to ask the daemon's plan for: the raw
     headers' digests, read and hashed but not parsed (about 0.1 us per tensor)."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
-    identity = device_identity(device.type, device_index)
-    path = Path(model_dir)
-    key = _cache_key(path, tp_size, tp_rank, shard_rules, dtype)
-    started = plancache.now_ns()
-    dirs = plancache.directory_stamps(path)
+    identity, key, started, dirs = _lookup(model_dir, device, device_index, tp_size, tp_rank,
+                                           shard_rules, dtype)
     kept = PLANS.get(key, dirs)
     if kept is not None:  # its claim is sampled meanwhile (`ExpectedShard.settle`)
         return ExpectedShard(kept.layout, dict(kept.fingerprint), identity, device,

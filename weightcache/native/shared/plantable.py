@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import sys
 from array import array
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import msgpack
@@ -96,25 +98,24 @@ def encode(layout: Any, key: dict[str, Any], served_dtype: str,
     (a name holding NUL, more than 255 dimensions): engines then plan themselves."""
     from .loader import dtype_name  # torch: the daemon has it by now
 
-    codes: dict[Any, int] = {}
-    names, kinds, ndims = [], bytearray(), bytearray()
-    offsets, sizes, dims = array("q"), array("q"), array("q")
-    for e in layout.entries:
-        code = codes.get(e.dtype)
-        if code is None:
-            code = codes[e.dtype] = len(codes)
-        shape = e.spec.shape
-        if "\0" in e.name or len(shape) > 255 or code > 255:
-            return None
-        names.append(e.name)
-        kinds.append(code)
-        ndims.append(len(shape))
-        offsets.append(e.offset)
-        sizes.append(e.nbytes)
-        dims.extend(shape)
+    entries = layout.entries  # named tuples: one C loop per column
+    kinds_of = list(map(attrgetter("dtype"), entries))
+    codes = {d: i for i, d in enumerate(dict.fromkeys(kinds_of))}
+    names = list(map(attrgetter("name"), entries))
+    shapes = [e.spec.shape for e in entries]
+    ndim = list(map(len, shapes))
+    joined = "\0".join(names)
+    nul = joined.count("\0") != max(0, len(names) - 1)
+    if nul or len(codes) > 256 or (ndim and max(ndim) > 255):
+        return None  # a name holding NUL, more than 255 dimensions or dtypes
+    kinds = bytes(map(codes.__getitem__, kinds_of))
+    ndims = bytes(ndim)
+    offsets = array("q", map(attrgetter("offset"), entries))
+    sizes = array("q", map(attrgetter("nbytes"), entries))
+    dims = array("q", itertools.chain.from_iterable(shapes))
     return msgpack.packb({
         "format": PLAN_FORMAT, "key": key, "served_dtype": served_dtype,
-        "count": len(names), "names": "\0".join(names).encode(),
+        "count": len(names), "names": joined.encode(),
         "dtypes": [dtype_name(d) for d in codes], "dtype": bytes(kinds),
         "offset": _le(offsets), "nbytes": _le(sizes), "ndim": bytes(ndims), "dims": _le(dims),
         "aliases": dict(layout.aliases), "arena": layout.nbytes,
