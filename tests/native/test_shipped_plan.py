@@ -270,3 +270,24 @@ def test_a_kept_plan_of_files_that_changed_is_never_used(tmp_path, monkeypatch):
         want.update(load_file(str(f)))
     for name, tensor in want.items():
         assert torch.equal(res.state_dict[name], tensor), name
+
+
+def test_attaches_starting_together_fetch_the_plan_once(ckpt, sock_dir, preload, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightcache.native.engine import plancache
+    from weightcache.native.shared.connection import query
+
+    monkeypatch.setattr(plancache, "RACY_S", 0.0)  # the session's files are seconds old
+    p = preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    ready = p.wait_ready(120)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: attach(ckpt, socket_dir=sock_dir, fallback=False),
+                                range(8)))
+    assert all(r.source == "cache" for r in results)
+    assert sorted(r.plan for r in results) == ["kept"] * 7 + ["shipped"]
+    stats = query(ready["sockets"][0], "stats")
+    assert stats["requests"]["get_plan"] == {"ok": 1}
+    want = _disk(ckpt)
+    for r in results:
+        _same(r.state_dict, want)

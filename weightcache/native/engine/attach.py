@@ -90,8 +90,8 @@ class AttachResult:
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
     generation: int | None = None  # the cache's update generation served (None: from disk)
-    # Seconds per step of the cache path (plan, get_plan, get_state, map, alloc, copy, views,
-    # release, check): what an attach spends where, for benchmarks and logs.
+    # Seconds per step of the cache path (plan, hello, claim, get_plan, get_state, map, alloc,
+    # copy_queued, views, copy, release, check): what an attach spends where.
     phases: dict[str, float] = field(default_factory=dict)
     plan: str = ""  # "kept", "shipped" (the daemon's) or "made" (planned here)
 
@@ -365,6 +365,34 @@ def _shipped_table(sock: socket.socket, spec: UnplannedShard) -> plantable.Shipp
 def _plan_here_or_shipped(sock: socket.socket, spec: UnplannedShard) -> ExpectedShard:
     """The daemon's plan bound to this engine's files (`_shipped_table`), with this
     engine's fingerprint and a fresh claim; else this engine's own plan."""
+    # Attaches of one process starting together (an engine's threads, a burst) fetch the
+    # plan once: the others find it kept when their turn comes. Not for longer than
+    # FLIGHT_WAIT_S (well inside the daemon's idle deadline on this connection).
+    flight = _flight(spec.cache_key)
+    held = flight.acquire(timeout=FLIGHT_WAIT_S)
+    try:
+        kept = _kept(spec.cache_key, spec.dirs, spec.identity, spec.device)
+        if kept is not None:
+            return kept
+        return _fetch_or_plan(sock, spec)
+    finally:
+        if held:
+            flight.release()
+
+
+FLIGHT_WAIT_S = REQUEST_DEADLINE_S / 4
+_FLIGHTS: dict[tuple[Any, ...], threading.Lock] = {}
+_FLIGHTS_LOCK = threading.Lock()
+
+
+def _flight(key: tuple[Any, ...]) -> threading.Lock:
+    with _FLIGHTS_LOCK:
+        if len(_FLIGHTS) > 64:  # a process attaches a handful of checkpoints; keep it bounded
+            _FLIGHTS.clear()
+        return _FLIGHTS.setdefault(key, threading.Lock())
+
+
+def _fetch_or_plan(sock: socket.socket, spec: UnplannedShard) -> ExpectedShard:
     table = _shipped_table(sock, spec)
     if table is None:
         return spec.plan()
@@ -541,10 +569,11 @@ def _from_cache_unchecked(
                 [f for f, a, b in (("tp_rank", hello.get("rank"), tp_rank),
                                    ("tp_size", hello.get("tp_size"), tp_size)) if a != b],
             )
+        clock.mark("hello")
         settled = _settled(spec)
         if settled is not spec:  # the kept plan's files changed: asked or planned anew
             spec, destination = settled, None
-        clock.mark("hello")
+        clock.mark("claim")  # what is left of a kept plan's claim once hello is answered
         sock.settimeout(state_timeout_s)
         if isinstance(spec, UnplannedShard):
             plan = _plan_here_or_shipped(sock, spec)
