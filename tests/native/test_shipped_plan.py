@@ -247,8 +247,8 @@ def test_the_compact_table_is_the_layout(ckpt):
 
 
 def test_a_kept_plan_of_files_that_changed_is_never_used(tmp_path, monkeypatch):
-    """The claim of a kept plan is sampled while the attach connects; a plan whose files
-    changed meanwhile must not shape the views (cache or disk)."""
+    """A kept plan whose files changed must not shape the views (cache or disk): its fresh
+    claim names other files, so it is dropped and the attach plans anew."""
     import time
 
     from safetensors.torch import load_file

@@ -334,8 +334,8 @@ def attach_figures(model: Path, sock: str, repeats: int, fresh_runs: int = 3) ->
         plan = client.plan_rank(model, device=dev, device_index=0, tp_size=1, tp_rank=0,
                                 shard_rules=None, dtype="auto")
         t1 = time.perf_counter()
-        state, *_ = client._from_cache(plan, P(sock), mode="zero_copy", tp_size=1, tp_rank=0,
-                                      connect_timeout_s=5, state_timeout_s=60)
+        _, state, *_ = client._from_cache(plan, P(sock), mode="zero_copy", tp_size=1,
+                                         tp_rank=0, connect_timeout_s=5, state_timeout_s=60)
         t2 = time.perf_counter()
         plans.append(t1 - t0)
         caches.append(t2 - t1)

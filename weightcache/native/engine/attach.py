@@ -14,14 +14,13 @@ parameters one object.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +89,7 @@ class AttachResult:
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
     generation: int | None = None  # the cache's update generation served (None: from disk)
-    # Seconds per step of the cache path (plan, hello, claim, get_plan, get_state, map, alloc,
+    # Seconds per step of the cache path (plan, hello, get_plan, get_state, map, alloc,
     # copy_queued, views, copy, release, check): what an attach spends where.
     phases: dict[str, float] = field(default_factory=dict)
     plan: str = ""  # "kept", "shipped" (the daemon's) or "made" (planned here)
@@ -150,20 +149,6 @@ class ExpectedShard:
     identity: str
     device: torch.device
     planned: bool = True  # False: the plan came from this process' cache (plancache.py)
-    # A kept plan's fresh claim, still being sampled (`settle` waits for it and adds it).
-    claiming: _Claim | None = None
-
-    def settle(self) -> bool:
-        """The fingerprint complete with its fresh claim; False when the kept plan no longer
-        names the files (it is dropped then: plan again)."""
-        if self.claiming is None:
-            return True
-        claim = self.claiming.result()
-        if claim is None:
-            return False
-        self.fingerprint = {**self.fingerprint, "content": claim}
-        self.claiming = None
-        return True
 
     @property
     def tensors(self) -> int:
@@ -211,32 +196,6 @@ def _lookup(model_dir: str | os.PathLike, device: torch.device, device_index: in
     key = (os.path.abspath(model_dir), tp_size, tp_rank,
            None if shard_rules is None else tuple(shard_rules), dtype)
     return identity, key, plancache.now_ns(), plancache.directory_stamps(Path(model_dir))
-
-
-class _Claim:
-    """A kept plan's fresh content claim, sampled on a thread of its own while the attach
-    connects and says hello (reading and hashing the sampled chunks release the GIL)."""
-
-    def __init__(self, kept: plancache.Plan, key: tuple[Any, ...],
-                 replan: Callable[[], ExpectedShard | UnplannedShard]) -> None:
-        self.kept, self.key, self.replan = kept, key, replan
-        self.claim: dict[str, Any] | None = None
-        self.thread = threading.Thread(target=self._sample, name="weightcache-claim",
-                                       daemon=True)
-        self.thread.start()
-
-    def _sample(self) -> None:
-        with contextlib.suppress(Exception):  # a file went away...: planning says what
-            self.claim = content.sample_claim(self.kept.files, coverage=self.kept.share)
-
-    def result(self) -> dict[str, Any] | None:
-        """The claim, if the files are still the ones planned (else the plan is dropped)."""
-        self.thread.join()
-        claim = self.claim
-        if claim is not None and plancache.claimed_identities(claim) == self.kept.identities:
-            return claim
-        PLANS.drop(self.key)
-        return None
 
 
 def _kept(key: tuple[Any, ...], dirs: tuple[Any, ...], identity: str,
@@ -311,13 +270,9 @@ def expect_rank(
     headers' digests, read and hashed but not parsed (about 0.1 us per tensor)."""
     identity, key, started, dirs = _lookup(model_dir, device, device_index, tp_size, tp_rank,
                                            shard_rules, dtype)
-    kept = PLANS.get(key, dirs)
-    if kept is not None:  # its claim is sampled meanwhile (`ExpectedShard.settle`)
-        return ExpectedShard(kept.layout, dict(kept.fingerprint), identity, device,
-                             planned=False, claiming=_Claim(kept, key, functools.partial(
-                                 expect_rank, model_dir, device=device,
-                                 device_index=device_index, tp_size=tp_size,
-                                 tp_rank=tp_rank, shard_rules=shard_rules, dtype=dtype)))
+    kept = _kept(key, dirs, identity, device)
+    if kept is not None:
+        return kept
     rules = parse_rules(shard_rules)  # a bad rule is refused here, as when planning
     raw = read_raw(model_dir)
     plan_key = plantable.plan_key(
@@ -520,16 +475,6 @@ class _Destination:
         return self.block
 
 
-def _settled(spec: ExpectedShard | UnplannedShard) -> ExpectedShard | UnplannedShard:
-    """`spec` with its claim, or what replaces a kept plan whose files changed."""
-    for _ in range(3):
-        claiming = spec.claiming if isinstance(spec, ExpectedShard) else None
-        if claiming is None or spec.settle():
-            return spec
-        spec = claiming.replan()
-    raise CacheProtocolError("the checkpoint keeps changing under the attach")
-
-
 def _close_later(imported: Any) -> None:
     """Unmap a copied arena on a thread of its own: the copy has landed, and tearing down the
     mapping of a whole shard (page tables, a device synchronize) need not hold up the engine.
@@ -539,10 +484,11 @@ def _close_later(imported: Any) -> None:
 
 def _from_cache_unchecked(
     spec: ExpectedShard | UnplannedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
-    connect_timeout_s: float, state_timeout_s: float, phases: dict[str, float],
+    connect_timeout_s: float, state_timeout_s: float, phases: dict[str, float] | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[ExpectedShard, dict[str, torch.Tensor], int, int | None]:
-    clock = _Clock(phases)
+    """(the plan served by, the named tensors, the arena's size, the generation)."""
+    clock = _Clock({} if phases is None else phases)
     destination: _Destination | None = None
 
     def copy_to(nbytes: int) -> None:
@@ -570,10 +516,6 @@ def _from_cache_unchecked(
                                    ("tp_size", hello.get("tp_size"), tp_size)) if a != b],
             )
         clock.mark("hello")
-        settled = _settled(spec)
-        if settled is not spec:  # the kept plan's files changed: asked or planned anew
-            spec, destination = settled, None
-        clock.mark("claim")  # what is left of a kept plan's claim once hello is answered
         sock.settimeout(state_timeout_s)
         if isinstance(spec, UnplannedShard):
             plan = _plan_here_or_shipped(sock, spec)
@@ -740,8 +682,6 @@ def attach(
             "weightcache%s: loading %s (rank %d/%d) from disk: %s",
             f" {cache}" if cache else "", model_dir, tp_rank, tp_size, reason,
         )
-        if plan is not None and not plan.settle():
-            plan = None  # a kept plan whose files changed: never read by it
         if plan is None or not isinstance(plan.layout, ArenaLayout):
             with gc_paused():  # the disk path reads by this engine's own plan
                 plan = spec.plan() if isinstance(spec, UnplannedShard) else plan_rank(
