@@ -291,3 +291,12 @@ def test_attaches_starting_together_fetch_the_plan_once(ckpt, sock_dir, preload,
     want = _disk(ckpt)
     for r in results:
         _same(r.state_dict, want)
+
+
+def test_a_table_that_cannot_be_encoded_is_not_shipped(tmp_path):
+    """A name holding NUL cannot go in the names blob: the daemon ships no plan (engines
+    plan themselves) rather than a wrong one."""
+    model = tmp_path / "nul"
+    write_bf16_files(model, [[("a\0b", [2]), ("c", [2])]], config={})
+    layout = plan_layout(open_checkpoint(model), rules=parse_rules(None), tp_size=1, tp_rank=0)
+    assert plantable.encode(layout, res_key(model), "bfloat16", None) is None
