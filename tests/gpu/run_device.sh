@@ -27,6 +27,10 @@ if ! python3 -c "import blake3" 2>/dev/null; then
     [ -f "$w" ] && python3 -m zipfile -e "$w" "$SHIM"
   done
 fi
+# Bytecode ahead of time, as an installed wheel has it (pip compiles at install): otherwise,
+# with PYTHONDONTWRITEBYTECODE, every process compiles each module it imports, and a module
+# first imported by an attach (a transport) is compiled on that attach's clock.
+python3 -m compileall -q -j 0 weightcache >/dev/null 2>&1 || true
 
 {
   echo "== environment $(date -u +%FT%TZ)"

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from weightcache.native.engine import plancache
 from weightcache.native.engine.attach import attach, plan_rank, request
 from weightcache.native.shared import fingerprint as fp
+from weightcache.native.shared import protocol as proto
 from weightcache.native.shared.checkpoint import CheckpointError, open_checkpoint
 from weightcache.native.shared.connection import connect
 from weightcache.native.shared.loader import load_into_arena, plan_layout, tensors_from_table
@@ -108,11 +109,12 @@ def test_the_daemon_and_the_client_agree_on_the_digest(served, ckpt):
     assert "tensors" not in reply  # the rows stay home
 
 
-def test_a_protocol_1_engine_is_refused_by_the_daemon(served, ckpt):
+@pytest.mark.parametrize("older", [1, 2])
+def test_an_older_protocol_engine_is_refused_by_the_daemon(served, ckpt, older):
     _, ready = served
     plan = _plan(ckpt, cache=False)
     old = {**plan.fingerprint, "runtime_version": fp.RUNTIME_VERSION.replace(
-        "protocol-2", "protocol-1")}
+        f"protocol-{proto.PROTOCOL_VERSION}", f"protocol-{older}")}
     with connect(ready["sockets"][0]) as sock:
         reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=old)
     assert not fds and reply["error"] == "fingerprint_mismatch"

@@ -76,34 +76,9 @@ def expert_specs(n: int) -> list[tuple[str, list[int]]]:
 def write_sparse(path: Path, specs: list[tuple[str, list[int]]], files: int = 1) -> Path:
     """A bf16 safetensors checkpoint of `specs` in `files` files (+ index when > 1); the data
     sections are holes."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    per = -(-len(specs) // files)
-    weight_map: dict[str, str] = {}
-    for k in range(files):
-        part = specs[k * per:(k + 1) * per]
-        name = ("model.safetensors" if files == 1
-                else f"model-{k + 1:05d}-of-{files:05d}.safetensors")
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for tensor, shape in part:
-            n = 2
-            for d in shape:
-                n *= d
-            header[tensor] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-            off += n
-            weight_map[tensor] = name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * ((8 - len(raw) % 8) % 8)
-        with open(path / name, "wb") as fh:
-            fh.write(len(raw).to_bytes(8, "little"))
-            fh.write(raw)
-            fh.truncate(8 + len(raw) + off)
-    if files > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    from weightcache.testing.checkpoints import split_specs, write_bf16_files
+
+    write_bf16_files(path, split_specs(specs, files), config={"tie_word_embeddings": False})
     return path
 
 
@@ -154,17 +129,39 @@ def _sync(device: str) -> None:
 
 
 def _timed(fn: Any) -> float:
+    """Seconds `fn` takes; what it returns (an attach's tensors) is freed after the clock
+    stops, as an engine keeps its weights."""
     t0 = time.perf_counter()
-    fn()
+    kept = fn()  # noqa: F841  (freed on return, after the clock)
     return time.perf_counter() - t0
 
 
-def _attach(model: Path, device: str, sock: str, mode: str = "zero_copy") -> Any:
+def _attach(model: Path, device: str, sock: str, mode: str = "zero_copy", **kw: Any) -> Any:
     from weightcache.client import attach
 
-    res = attach(model, device=device, socket_path=sock, fallback=False, mode=mode)
+    res = attach(model, device=device, socket_path=sock, fallback=False, mode=mode, **kw)
     _sync(device)
+    if res.source != "cache":
+        raise RuntimeError(f"attach fell back to disk: {res.reason}")
     return res
+
+
+def _phases(results: list[Any]) -> dict[str, float]:
+    """Median ms per attach phase (AttachResult.phases) over `results`."""
+    names = list(dict.fromkeys(k for r in results for k in r.phases))  # in attach order
+    return {k: _ms(statistics.median(r.phases.get(k, 0.0) for r in results)) for k in names}
+
+
+def _timed_attaches(n: int, fn: Any) -> tuple[list[float], list[Any]]:
+    """`n` timed calls of `fn`, and their results' phases (the tensors are dropped)."""
+    times, results = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - t0)
+        results.append(argparse.Namespace(phases=dict(getattr(res, "phases", {}))))
+        del res
+    return times, results
 
 
 def _load_file(model: Path, device: str) -> None:
@@ -182,15 +179,19 @@ def _ms(seconds: float) -> float:
 def _first_and_median(model: Path, device: str, sock: str, repeat: int) -> dict[str, Any]:
     """First attach with no kept plan (the plan cache emptied), then `repeat` attaches."""
     _forget_plans()
-    first = _timed(lambda: _attach(model, device, sock))
-    times = [_timed(lambda: _attach(model, device, sock)) for _ in range(repeat)]
-    unkept = []
+    first, first_res = _timed_attaches(1, lambda: _attach(model, device, sock))
+    times, kept = _timed_attaches(repeat, lambda: _attach(model, device, sock))
+    unkept, unkept_res = [], []
     for _ in range(max(1, repeat // 4)):
         _forget_plans()
-        unkept.append(_timed(lambda: _attach(model, device, sock)))
-    return {"first_ms": _ms(first), "median_ms": _ms(statistics.median(times)),
+        t, r = _timed_attaches(1, lambda: _attach(model, device, sock))
+        unkept += t
+        unkept_res += r
+    return {"first_ms": _ms(first[0]), "median_ms": _ms(statistics.median(times)),
             "min_ms": _ms(min(times)), "max_ms": _ms(max(times)),
-            "no_kept_plan_median_ms": _ms(statistics.median(unkept)), "repeat": repeat}
+            "no_kept_plan_median_ms": _ms(statistics.median(unkept)), "repeat": repeat,
+            "first_phases_ms": _phases(first_res), "phases_ms": _phases(kept),
+            "no_kept_plan_phases_ms": _phases(unkept_res)}
 
 
 def _plan_ms(model: Path, device: str, cache: bool, repeat: int) -> float:
@@ -211,6 +212,46 @@ def _plan_ms(model: Path, device: str, cache: bool, repeat: int) -> float:
     return _ms(statistics.median(_timed(once) for _ in range(repeat)))
 
 
+def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
+                  ) -> dict[str, Any]:
+    """Copy mode end to end: into fresh memory (the allocator emptied before each, as an
+    engine's first load), into a kept allocator block, and into the caller's block (`out=`),
+    each with its phases (attach, alloc, copy, views, release, check)."""
+    import torch
+
+    n = 2 if smoke else 5
+    cuda = device.startswith("cuda")
+
+    def fresh() -> Any:
+        if cuda:
+            torch.cuda.empty_cache()  # each copy allocates its 16 GB anew, as an engine
+        return _attach(model, device, sock, "copy")
+
+    out: dict[str, Any] = {}
+    copies, copies_res = _timed_attaches(n, fresh)
+    reused, reused_res = _timed_attaches(n, lambda: _attach(model, device, sock, "copy"))
+    if cuda:
+        torch.cuda.empty_cache()
+    into, into_res = _timed_attaches(
+        n, functools.partial(_attach, model, device, sock, "copy",
+                             out=torch.empty(nbytes, dtype=torch.uint8, device=device)))
+    for name, times, res in (("copy", copies, copies_res),
+                             ("copy_reused_block", reused, reused_res),
+                             ("copy_into_out", into, into_res)):
+        med = statistics.median(times)
+        out[f"{name}_median_s"] = round(med, 5)
+        out[f"{name}_tb_per_s"] = round(nbytes / med / 1e12, 3)
+        out[f"{name}_phases_ms"] = _phases(res)
+    out["copy_first_s"] = round(copies[0], 5)
+    out["copy_tb_per_s_first"] = round(nbytes / copies[0] / 1e12, 3)
+    out["copy_tb_per_s_median"] = out["copy_tb_per_s"]
+    return out
+
+
+def _phase_line(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in phases.items())
+
+
 # -- parts --------------------------------------------------------------------------------
 def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     dims = LLAMA_8B if device.startswith("cuda") and not smoke else SMALL_8B
@@ -219,31 +260,20 @@ def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     daemon = Daemon(model, device)
     try:
         out: dict[str, Any] = {"tensors": 291, "bytes": daemon.ready["bytes"]}
+        # An engine imports the client when it starts, before its first attach: timed on
+        # its own (0 when an earlier part imported it).
+        t0 = time.perf_counter()
+        import weightcache.client  # noqa: F401
+
+        out["import_client_ms"] = _ms(time.perf_counter() - t0)
         out["load_file_s"] = round(statistics.median(
             _timed(lambda: _load_file(model, device))
             for _ in range(1 if smoke or device.startswith("cuda") else 3)), 4)
         out.update(_first_and_median(model, device, daemon.socket, 3 if smoke else 20))
         out["plan_kept_ms"] = _plan_ms(model, device, True, 3 if smoke else 20)
         out["plan_made_ms"] = _plan_ms(model, device, False, 3 if smoke else 10)
-        if device.startswith("cuda"):
-            import torch
-
-            copies = []
-            for _ in range(2 if smoke else 5):
-                copies.append(_timed(lambda: _attach(model, device, daemon.socket, "copy")))
-                torch.cuda.empty_cache()  # each copy allocates its 16 GB anew, as an engine
-            out["copy_first_s"] = round(copies[0], 5)
-            out["copy_median_s"] = round(statistics.median(copies), 5)
-            out["copy_tb_per_s_first"] = round(out["bytes"] / copies[0] / 1e12, 3)
-            out["copy_tb_per_s_median"] = round(out["bytes"] / statistics.median(copies) / 1e12, 3)
-            # The same with the allocator's block kept between copies: what the allocation of
-            # 16 GB of fresh device memory costs inside the figure above.
-            reused = [_timed(lambda: _attach(model, device, daemon.socket, "copy"))
-                      for _ in range(2 if smoke else 5)]
-            torch.cuda.empty_cache()
-            out["copy_reused_block_median_s"] = round(statistics.median(reused), 5)
-            out["copy_reused_block_tb_per_s"] = round(
-                out["bytes"] / statistics.median(reused) / 1e12, 3)
+        if device.startswith("cuda") or smoke:
+            out.update(_copy_figures(model, device, daemon.socket, out["bytes"], smoke))
         return out
     finally:
         daemon.stop()
@@ -365,13 +395,23 @@ def main(argv: list[str]) -> int:
                     ("attach, median with no kept plan", s["no_kept_plan_median_ms"] / 1e3)]
             notes = [f"plan kept {s['plan_kept_ms']} ms, made anew {s['plan_made_ms']} ms;"
                      f" targets: median <= {TARGETS['attach_ms_median_291']} ms, first <="
-                     f" {TARGETS['first_attach_ms_291']} ms"]
+                     f" {TARGETS['first_attach_ms_291']} ms; importing weightcache.client"
+                     f" before it took {s['import_client_ms']} ms",
+                     f"phases of the first attach, ms: {_phase_line(s['first_phases_ms'])}",
+                     f"phases, median: {_phase_line(s['phases_ms'])}",
+                     f"phases with no kept plan: {_phase_line(s['no_kept_plan_phases_ms'])}"]
             if "copy_median_s" in s:
-                rows.append(("copy mode end to end, median", s["copy_median_s"]))
+                rows += [("copy mode end to end, median", s["copy_median_s"]),
+                         ("copy mode into a kept allocator block", s["copy_reused_block_median_s"]),
+                         ("copy mode into the caller's block (out=)",
+                          s["copy_into_out_median_s"])]
                 notes.append(f"copy mode {s['copy_tb_per_s_median']} TB/s median,"
                              f" {s['copy_tb_per_s_first']} TB/s first,"
                              f" {s['copy_reused_block_tb_per_s']} TB/s into a kept allocator"
-                             f" block (target >= {TARGETS['copy_tb_per_s']})")
+                             f" block, {s['copy_into_out_tb_per_s']} TB/s into out="
+                             f" (target >= {TARGETS['copy_tb_per_s']})")
+                for name in ("copy", "copy_reused_block", "copy_into_out"):
+                    notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
             print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
                          ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
         if "scaling" in parts:

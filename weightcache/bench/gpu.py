@@ -104,45 +104,27 @@ def write_checkpoint(path: Path, spec: dict[str, Any], seed: int = 0) -> dict[st
             size = 0
         shards[-1].append((name, shape))
         size += n
-    weight_map: dict[str, str] = {}
-    total = 0
-    t0 = time.perf_counter()
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape in shard:
+
+    def fill(fh: Any, shard: list[tuple[str, list[int]]]) -> None:
+        cursor = 0
+        for k, (_name, shape) in enumerate(shard):
             n = 2
             for d in shape:
                 n *= d
-            header[name] = {
-                "dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]
-            }
-            offset += n
-            weight_map[name] = fname
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * ((8 - len(raw) % 8) % 8)
-        with open(path / fname, "wb") as fh:
-            fh.write(len(raw).to_bytes(8, "little"))
-            fh.write(raw)
-            cursor = 0
-            for k, (_name, shape) in enumerate(shard):
-                n = 2
-                for d in shape:
-                    n *= d
-                left = n
-                cursor = (cursor + 4096 * (k + 1)) % (len(pool_bytes) // 2)
-                while left:
-                    take = min(left, len(pool_bytes) - cursor)
-                    fh.write(pool_bytes[cursor : cursor + take])
-                    left -= take
-                    cursor = 0 if left else cursor + take
-            fh.flush()
-            os.fsync(fh.fileno())
-        total += offset
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": spec["tied"]}))
+            left = n
+            cursor = (cursor + 4096 * (k + 1)) % (len(pool_bytes) // 2)
+            while left:
+                take = min(left, len(pool_bytes) - cursor)
+                fh.write(pool_bytes[cursor : cursor + take])
+                left -= take
+                cursor = 0 if left else cursor + take
+
+    from weightcache.testing.checkpoints import write_bf16_files
+
+    t0 = time.perf_counter()
+    total = write_bf16_files(path, [[(n, list(s)) for n, s in shard] for shard in shards],
+                             config={"tie_word_embeddings": spec["tied"]}, data=fill,
+                             index=True, fresh=False)
     return {"bytes": total, "tensors": len(shapes), "files": len(shards),
             "write_seconds": round(time.perf_counter() - t0, 2)}
 

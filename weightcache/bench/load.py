@@ -339,8 +339,8 @@ def attach_figures(model: Path, sock: str, repeats: int, fresh_runs: int = 3) ->
         plan = client.plan_rank(model, device=dev, device_index=0, tp_size=1, tp_rank=0,
                                 shard_rules=None, dtype="auto")
         t1 = time.perf_counter()
-        state, *_ = client._from_cache(plan, P(sock), mode="zero_copy", tp_size=1, tp_rank=0,
-                                      connect_timeout_s=5, state_timeout_s=60)
+        _, state, *_ = client._from_cache(plan, P(sock), mode="zero_copy", tp_size=1,
+                                         tp_rank=0, connect_timeout_s=5, state_timeout_s=60)
         t2 = time.perf_counter()
         plans.append(t1 - t0)
         caches.append(t2 - t1)
@@ -384,23 +384,11 @@ def sparse_checkpoint(path: Path, tensors: int, nbytes: int) -> Path:
     Attach time depends on the table and the mapping, not on the values: a sparse file makes
     a 64 GB shard possible on a 64 GB disk (reading a hole returns zeros without I/O).
     """
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    from weightcache.testing.checkpoints import write_bf16_files
+
     per = max(1, nbytes // tensors // 2 // 4096 * 4096)  # elements per tensor
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for i in range(tensors):
-        header[f"model.layers.{i}.w.weight"] = {"dtype": "BF16", "shape": [per // 1024, 1024],
-                                                 "data_offsets": [off, off + per // 1024 * 2048]}
-        off += per // 1024 * 2048
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    with open(path / "model.safetensors", "wb") as fh:
-        fh.write(len(raw).to_bytes(8, "little"))
-        fh.write(raw)
-        fh.truncate(8 + len(raw) + off)
-    (path / "config.json").write_text("{}")
+    write_bf16_files(path, [[(f"model.layers.{i}.w.weight", [per // 1024, 1024])
+                             for i in range(tensors)]], config={})
     return path
 
 

@@ -150,6 +150,13 @@ class GroupUpdate:
                                  rollback=rollback)
             key = next(k for k in pushes if Path(k) == rank.path)
             table = rank.call("get_table")
+            while table.get("ok") and table.get("next") is not None:  # later pages
+                page = rank.call("get_table", start=table["next"])
+                if not page.get("ok") or page.get("generation") != table.get("generation"):
+                    return page if not page.get("ok") else {
+                        "ok": False, "error": "update_state",
+                        "message": "the table changed while it was read"}
+                table = {**page, "tensors": table["tensors"] + page["tensors"]}
             if not table.get("ok"):
                 return table
             try:

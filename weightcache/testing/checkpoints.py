@@ -8,9 +8,13 @@ files exactly what users have.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 
 @dataclass(frozen=True)
@@ -123,3 +127,65 @@ def sync_files(directory: Path) -> None:
                 os.close(fd)
 
 
+
+
+Spec = tuple[str, list[int]]  # a bf16 tensor's name and shape
+
+
+def write_bf16_files(
+    path: str | os.PathLike,
+    shards: list[list[Spec]],
+    *,
+    config: dict[str, Any],
+    data: Callable[[BinaryIO, list[Spec]], None] | None = None,
+    index: bool | None = None,
+    fresh: bool = True,
+) -> int:
+    """bf16 safetensors files, one per shard (+ the index where `index`, by default when
+    there are several), and config.json; the data bytes of `data(fh, shard)`, or a hole.
+
+    A hole reads as zeros without any I/O: attach and planning benchmarks depend on the table
+    and the mapping, not on the values, so a 16 GB or 64 GB shard takes no time or disk to
+    write. The one header writer of the benchmarks (attach, load, gpu). Returns the data
+    bytes written (or left as holes)."""
+    out = Path(path)
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = len(shards) > 1 if index is None else index
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards):
+        fname = (f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if index
+                 else "model.safetensors")
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape in shard:
+            n = 2 * math.prod(shape)
+            header[name] = {"dtype": "BF16", "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[name] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((8 - len(raw) % 8) % 8)
+        with open(out / fname, "wb") as fh:
+            fh.write(len(raw).to_bytes(8, "little"))
+            fh.write(raw)
+            if data is None:
+                fh.truncate(8 + len(raw) + offset)
+            else:
+                data(fh, shard)
+                fh.flush()
+                os.fsync(fh.fileno())
+        total += offset
+    if index:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(config))
+    return total
+
+
+def split_specs(specs: list[Spec], files: int) -> list[list[Spec]]:
+    """`specs` in `files` runs of (nearly) equal count."""
+    per = -(-len(specs) // files)
+    return [specs[k * per:(k + 1) * per] for k in range(files)]

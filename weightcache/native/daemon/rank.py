@@ -127,7 +127,7 @@ def run(config: RankConfig) -> int:
         from . import loading, server  # torch: only now that this rank holds its lock
 
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
-        held.server = server.serve_shard(held.shard, config, rules)
+        held.server = server.serve_shard(held.shard, config, rules, ckpt)
         held.listener = bind(config, held.path)
         announce(config, held.shard, held.path, clock)
         _Serving.server, _Serving.listener = held.server, held.listener

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from ..shared import coldload, limits, plantable, rankplan
 from ..shared import content as content_mod
 from ..shared import fingerprint as fp
-from ..shared import limits
 from ..shared import protocol as proto
+from ..shared.checkpoint import Checkpoint
 from ..shared.identity import device_identity
 from ..shared.loader import ArenaLayout
 from ..shared.security import SecurityError, check_peer, peer_credentials
@@ -39,6 +40,7 @@ log = logging.getLogger("weightcache.daemon")
 IDLE_TIMEOUT_S = limits.REQUEST_DEADLINE_S  # a request must arrive whole within this
 MAX_CONNECTIONS = limits.MAX_CONNECTIONS
 MAX_REQUEST = 1 << 20  # requests are small maps; a content claim is a few KiB
+PLAN_WAIT_S = 30.0  # the longest a `get_plan` waits for the plan's encoding at start
 ACCEPT_WAKE_S = 0.25  # how often the accept loop lets a pending signal handler run
 # Attach-duration histogram bounds (seconds), Prometheus-style cumulative buckets.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -129,6 +131,14 @@ class RankServer:
         self.table_digest = layout.digest  # what `get_state` sends instead of the rows
         self.aliases = layout.aliases
         self.nbytes = layout.nbytes
+        # The shipped plan (plantable.py): its key and encoded table (`ship_plan`), and the
+        # source tags that say which dtype another engine's request would be served in.
+        self.plan_key: dict[str, Any] | None = None
+        self.plan_blob: bytes | None = None
+        self.plan_digest: str | None = None
+        self._plan_built = threading.Event()
+        self._plan_built.set()  # until ship_plan: no plan to wait for
+        self.tags = frozenset(e.source.tag for e in layout.entries)
         self.fingerprint = fingerprint
         self.identity = identity
         self.device = device
@@ -152,6 +162,24 @@ class RankServer:
         self.released_bytes = 0
         self.stopping = threading.Event()
         self.updates: RankUpdater | None = None  # set once built: in-place updates
+
+    def ship_plan(self, build: Any) -> None:
+        """Encode the plan on a thread of its own (about 2 us per tensor, so not in front of
+        READY); a `get_plan` meanwhile waits for it, at most PLAN_WAIT_S."""
+        self._plan_built.clear()
+
+        def run() -> None:
+            try:
+                built = build()
+                if built is not None:
+                    self.plan_key, self.plan_blob = built
+                    self.plan_digest = plantable.digest(built[1])
+            except Exception:  # engines then plan themselves
+                log.exception("cannot encode the plan; engines will plan themselves")
+            finally:
+                self._plan_built.set()
+
+        threading.Thread(target=run, name="weightcache-plan", daemon=True).start()
 
     # -- commands ---------------------------------------------------------------------------
     def _device_info(self) -> dict[str, Any]:
@@ -198,6 +226,37 @@ class RankServer:
             ready=self.arena is not None,
             **({"updates": self.updates.snapshot()} if self.updates else {}),
         ), []
+
+    def cmd_get_plan(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """This rank's plan (plantable.py) in chunks, to an engine whose key is ours.
+
+        Nothing of the arena goes with it: `get_state` still checks the whole fingerprint
+        and the content claim. A mismatch is an ordinary answer (the engine then plans
+        itself, as a config.json of its own makes it), so it is not counted as one."""
+        key, dtype, offset = req.get("key"), req.get("dtype"), req.get("offset", 0)
+        problem = plantable.key_problem(key)
+        short = isinstance(dtype, str) and len(dtype) <= plantable.MAX_DTYPE_TEXT
+        if problem is None and not short:
+            problem = "dtype must be a short string"
+        if problem is None and (not isinstance(offset, int) or isinstance(offset, bool)
+                                or offset < 0):
+            problem = "offset must be a non-negative integer"
+        if problem:
+            return proto.error(proto.E_BAD_REQUEST, f"get_plan: {problem}"), []
+        self._plan_built.wait(PLAN_WAIT_S)
+        own, blob = self.plan_key, self.plan_blob
+        if own is None or blob is None or own["checkpoint"] != self.fingerprint.get("checkpoint"):
+            # No table (not encodable), or an update served other headers since.
+            return proto.error(proto.E_NO_PLAN, "this rank ships no plan: plan it yourself"), []
+        fields = plantable.mismatched(own, key)
+        if rankplan.served_for(self.tags, dtype) != self.fingerprint.get("dtype"):
+            fields.append("dtype")
+        if fields:
+            return proto.error(proto.E_FINGERPRINT_MISMATCH,
+                               f"the plan was made from other input: {', '.join(fields)}",
+                               fields=fields), []
+        return proto.ok(size=len(blob), digest=self.plan_digest, offset=offset,
+                        data=blob[offset:offset + plantable.CHUNK]), []
 
     def cmd_get_state(
         self, req: dict[str, Any], pid: int = 0
@@ -508,8 +567,25 @@ class RankServer:
                 self.arena = None
 
 
-def serve_shard(shard: LoadedShard, config: RankConfig, rules: list[ShardRule]) -> RankServer:
-    """The server of a loaded shard, with its updater (in-place updates re-plan the same way)."""
+def shipped_plan(shard: LoadedShard, config: RankConfig,
+                 ckpt: Checkpoint) -> tuple[dict[str, Any], bytes] | None:
+    """The key and table this rank ships to engines (plantable.py), from the checkpoint its
+    plan was made of; None when the table cannot be encoded (engines plan themselves)."""
+    fingerprint, layout = shard.fingerprint, shard.layout
+    key = plantable.plan_key(
+        checkpoint=fingerprint["checkpoint"], index=ckpt.index_digest, config=ckpt.config_digest,
+        tp_size=config.tp_size, tp_rank=config.tp_rank, shard_rules=fingerprint["shard_rules"],
+        runtime_version=fingerprint["runtime_version"])
+    share = None if config.tp_size == 1 else {
+        p.name: sorted(c) for p, c in coldload.share_chunks(list(layout.entries)).items()}
+    blob = plantable.encode(layout, key, fingerprint["dtype"], share)
+    return None if blob is None else (key, blob)
+
+
+def serve_shard(shard: LoadedShard, config: RankConfig, rules: list[ShardRule],
+                ckpt: Checkpoint | None = None) -> RankServer:
+    """The server of a loaded shard, with its updater (in-place updates re-plan the same way);
+    with the checkpoint its plan was made of, it ships that plan to engines."""
     server = RankServer(
         arena=shard.arena,
         transport_name=shard.transport.name,
@@ -526,6 +602,8 @@ def serve_shard(shard: LoadedShard, config: RankConfig, rules: list[ShardRule]) 
         allowed_uids={os.getuid(), *config.allowed_uids},
         content=shard.record,
     )
+    if ckpt is not None:
+        server.ship_plan(lambda: shipped_plan(shard, config, ckpt))
     server.updates = RankUpdater(server, UpdateConfig(
         rules=rules, tp_size=config.tp_size, tp_rank=config.tp_rank, dtype=config.dtype,
         model=str(config.model)))

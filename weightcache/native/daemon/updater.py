@@ -380,9 +380,15 @@ class RankUpdater:
             if cmd == "update_stage":
                 return self._stage(conn, req, fds)
             with self._lock:
-                if cmd == "get_table":
-                    return proto.ok(tensors=self.server.table, aliases=self.server.aliases,
-                                    bytes=self.server.nbytes, generation=self.generation)
+                if cmd == "get_table":  # in pages: any table fits the frame limit
+                    start = req.get("start", 0)
+                    if (not isinstance(start, int) or isinstance(start, bool)
+                            or not 0 <= start <= len(self.server.table)):
+                        raise UpdateError(proto.E_BAD_REQUEST, "get_table: bad start")
+                    rows, following = proto.table_page(self.server.table, start)
+                    return proto.ok(tensors=rows, next=following, total=len(self.server.table),
+                                    aliases=self.server.aliases, bytes=self.server.nbytes,
+                                    generation=self.generation)
                 staged = self._owned(conn, req)
                 if cmd == "update_pause":
                     return self._pause(staged, req)

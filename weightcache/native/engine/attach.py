@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,9 +32,10 @@ from weightcache import constants
 from weightcache.contracts.vocabulary import MODES, ROLE_TARGET
 from weightcache.errors import ProjectError
 
-from ..shared import coldload, content
+from ..shared import coldload, content, plantable
+from ..shared import fingerprint as fp
 from ..shared import protocol as proto
-from ..shared.checkpoint import CheckpointError, open_checkpoint
+from ..shared.checkpoint import CheckpointError, RawCheckpoint, open_checkpoint, read_raw
 from ..shared.connection import connect, query, raise_for, request
 from ..shared.errors import (
     CacheProtocolError,
@@ -87,6 +89,10 @@ class AttachResult:
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
     generation: int | None = None  # the cache's update generation served (None: from disk)
+    # Seconds per step of the cache path (plan, hello, get_plan, get_state, map, alloc,
+    # copy_queued, views, copy, release, check): what an attach spends where.
+    phases: dict[str, float] = field(default_factory=dict)
+    plan: str = ""  # "kept", "shipped" (the daemon's) or "made" (planned here)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -132,19 +138,82 @@ def _pick(explicit: Any, env: Any, default: Any) -> Any:
 # -- attach ---------------------------------------------------------------------------------
 @dataclass
 class ExpectedShard:
-    """What this engine expects its rank's daemon to serve, computed from the checkpoint
-    itself: the layout and fingerprint it will compare the daemon's answer with, and the
-    device identity whose socket it asks (not `shared.rankplan`, which plans the shard)."""
+    """What this engine expects its rank's daemon to serve, bound to the checkpoint itself:
+    the layout and fingerprint it will compare the daemon's answer with, and the device
+    identity whose socket it asks (not `shared.rankplan`, which plans the shard). The layout
+    is its own plan (ArenaLayout) or the daemon's, shipped for this engine's very files
+    (plantable.ShippedTable)."""
 
-    layout: ArenaLayout
+    layout: ArenaLayout | plantable.ShippedTable
     fingerprint: dict[str, Any]
     identity: str
     device: torch.device
     planned: bool = True  # False: the plan came from this process' cache (plancache.py)
 
+    @property
+    def tensors(self) -> int:
+        layout = self.layout
+        return len(layout.entries) if isinstance(layout, ArenaLayout) else layout.count
+
+    @property
+    def how(self) -> str:
+        if not self.planned:
+            return "kept"
+        return "made" if isinstance(self.layout, ArenaLayout) else "shipped"
+
+
+@dataclass
+class UnplannedShard:
+    """No plan yet in this process: what the engine asks its daemon's plan for (`get_plan`),
+    and how it would plan itself instead (`plan`)."""
+
+    raw: RawCheckpoint
+    key: dict[str, Any]  # plantable.plan_key of this engine's own files
+    dtype: str
+    identity: str
+    device: torch.device
+    cache_key: tuple[Any, ...]
+    dirs: tuple[Any, ...]
+    started_ns: int
+    options: dict[str, Any]  # plan_rank's arguments
+
+    def plan(self) -> ExpectedShard:
+        return plan_rank(self.raw.path, **self.options)
+
 
 # Plans of this process, reused while no file they were made from changed (plancache.py).
 PLANS = plancache.PlanCache()
+
+
+def _lookup(model_dir: str | os.PathLike, device: torch.device, device_index: int,
+            tp_size: int, tp_rank: int, shard_rules: list[str] | None, dtype: str,
+            ) -> tuple[str, tuple[Any, ...], int, tuple[Any, ...]]:
+    """(device identity, the plan cache's key, when planning starts, the directory's
+    stamps): what planning here and asking the daemon's plan both begin with."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
+    identity = device_identity(device.type, device_index)
+    key = (os.path.abspath(model_dir), tp_size, tp_rank,
+           None if shard_rules is None else tuple(shard_rules), dtype)
+    return identity, key, plancache.now_ns(), plancache.directory_stamps(Path(model_dir))
+
+
+def _kept(key: tuple[Any, ...], dirs: tuple[Any, ...], identity: str,
+          device: torch.device, *, own: bool = False) -> ExpectedShard | None:
+    """The plan this process keeps for `key` (with `own`: only one it made itself), with a
+    fresh content claim; None if none (or a file changed since: then it is dropped)."""
+    kept = PLANS.get(key, dirs)
+    if kept is None or (own and not isinstance(kept.layout, ArenaLayout)):
+        return None
+    try:
+        claim = content.sample_claim(kept.files, coverage=kept.share)
+    except OSError:
+        claim = None  # a file went away: plan again, which says what is wrong
+    if claim is not None and plancache.claimed_identities(claim) == kept.identities:
+        return ExpectedShard(kept.layout, {**kept.fingerprint, "content": claim}, identity,
+                             device, planned=False)
+    PLANS.drop(key)
+    return None
 
 
 def plan_rank(
@@ -158,28 +227,16 @@ def plan_rank(
     dtype: str,
     cache: bool = True,
 ) -> ExpectedShard:
-    """What this rank expects: its layout and fingerprint, with a fresh content claim.
+    """What this rank expects, planned here: its layout and fingerprint, with a fresh
+    content claim (attach itself asks the daemon's plan first: `expect_rank`).
 
     With `cache`, a plan made earlier in this process from the very same files is reused
     (plancache.py says when); the claim is sampled anew either way."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
-    identity = device_identity(device.type, device_index)
-    path = Path(model_dir)
-    key = (os.path.abspath(path), tp_size, tp_rank,
-           None if shard_rules is None else tuple(shard_rules), dtype)
-    started = plancache.now_ns()
-    dirs = plancache.directory_stamps(path)
-    kept = PLANS.get(key, dirs) if cache else None
+    identity, key, started, dirs = _lookup(model_dir, device, device_index, tp_size, tp_rank,
+                                           shard_rules, dtype)
+    kept = _kept(key, dirs, identity, device, own=True) if cache else None
     if kept is not None:
-        try:
-            claim = content.sample_claim(kept.files, coverage=kept.share)
-        except OSError:
-            claim = None  # a file went away: plan again, which says what is wrong
-        if claim is not None and plancache.claimed_identities(claim) == kept.identities:
-            return ExpectedShard(kept.layout, {**kept.fingerprint, "content": claim}, identity,
-                                 device, planned=False)
-        PLANS.drop(key)
+        return kept
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
     layout, fingerprint = plan_rank_shard(ckpt, rules, tp_size=tp_size, tp_rank=tp_rank,
@@ -199,12 +256,122 @@ def plan_rank(
     return ExpectedShard(layout, fingerprint, identity, device)
 
 
+def expect_rank(
+    model_dir: str | os.PathLike,
+    *,
+    device: torch.device,
+    device_index: int,
+    tp_size: int,
+    tp_rank: int,
+    shard_rules: list[str] | None,
+    dtype: str,
+) -> ExpectedShard | UnplannedShard:
+    """The kept plan (with a fresh claim), or what to ask the daemon's plan for: the raw
+    headers' digests, read and hashed but not parsed (about 0.1 us per tensor)."""
+    identity, key, started, dirs = _lookup(model_dir, device, device_index, tp_size, tp_rank,
+                                           shard_rules, dtype)
+    kept = _kept(key, dirs, identity, device)
+    if kept is not None:
+        return kept
+    rules = parse_rules(shard_rules)  # a bad rule is refused here, as when planning
+    raw = read_raw(model_dir)
+    plan_key = plantable.plan_key(
+        checkpoint=fp.raw_checkpoint_hash(raw.header_digests), index=raw.index_digest,
+        config=raw.config_digest, tp_size=tp_size, tp_rank=tp_rank,
+        shard_rules=fp.rules_hash([r.text for r in rules], tp_size),
+        runtime_version=fp.RUNTIME_VERSION)
+    return UnplannedShard(raw, plan_key, dtype, identity, device, key, dirs, started, dict(
+        device=device, device_index=device_index, tp_size=tp_size, tp_rank=tp_rank,
+        shard_rules=shard_rules, dtype=dtype))
+
+
+def _shipped_table(sock: socket.socket, spec: UnplannedShard) -> plantable.ShippedTable | None:
+    """The daemon's plan for these very files, in chunks; None when it ships none for them
+    (another config.json, an older update, a table it cannot encode): plan here then."""
+    parts: list[bytes] = []
+    size = digest = None
+    got = 0
+    while size is None or got < size:
+        reply, _ = request(sock, "get_plan", key=spec.key, dtype=spec.dtype, offset=got)
+        if not reply.get("ok") and reply.get("error") in (proto.E_FINGERPRINT_MISMATCH,
+                                                         proto.E_NO_PLAN):
+            return None
+        raise_for(reply)
+        data = reply.get("data")
+        if size is None:
+            size, digest = reply.get("size"), reply.get("digest")
+            if not isinstance(size, int) or not 0 < size <= plantable.MAX_PLAN:
+                raise CacheProtocolError(f"get_plan: a table of {size!r} bytes")
+        if (not isinstance(data, bytes) or not data or reply.get("size") != size
+                or reply.get("digest") != digest or reply.get("offset") != got
+                or got + len(data) > size):
+            raise CacheProtocolError("get_plan: a chunk that does not continue the table")
+        parts.append(data)
+        got += len(data)
+    blob = b"".join(parts)
+    if plantable.digest(blob) != digest:
+        raise CacheProtocolError("get_plan: the table does not match its digest")
+    try:
+        return plantable.decode(blob, spec.key)
+    except plantable.PlanTableError as exc:
+        raise CacheProtocolError(str(exc)) from None
+
+
+def _plan_here_or_shipped(sock: socket.socket, spec: UnplannedShard) -> ExpectedShard:
+    """The daemon's plan bound to this engine's files (`_shipped_table`), with this
+    engine's fingerprint and a fresh claim; else this engine's own plan."""
+    # Attaches of one process starting together (an engine's threads, a burst) fetch the
+    # plan once: the others find it kept when their turn comes. Not for longer than
+    # FLIGHT_WAIT_S (well inside the daemon's idle deadline on this connection).
+    flight = _flight(spec.cache_key)
+    held = flight.acquire(timeout=FLIGHT_WAIT_S)
+    try:
+        kept = _kept(spec.cache_key, spec.dirs, spec.identity, spec.device)
+        if kept is not None:
+            return kept
+        return _fetch_or_plan(sock, spec)
+    finally:
+        if held:
+            flight.release()
+
+
+FLIGHT_WAIT_S = REQUEST_DEADLINE_S / 4
+_FLIGHTS: dict[tuple[Any, ...], threading.Lock] = {}
+_FLIGHTS_LOCK = threading.Lock()
+
+
+def _flight(key: tuple[Any, ...]) -> threading.Lock:
+    with _FLIGHTS_LOCK:
+        if len(_FLIGHTS) > 64:  # a process attaches a handful of checkpoints; keep it bounded
+            _FLIGHTS.clear()
+        return _FLIGHTS.setdefault(key, threading.Lock())
+
+
+def _fetch_or_plan(sock: socket.socket, spec: UnplannedShard) -> ExpectedShard:
+    table = _shipped_table(sock, spec)
+    if table is None:
+        return spec.plan()
+    try:
+        claim = content.sample_claim(spec.raw.files, coverage=table.share)
+    except OSError as exc:
+        raise CheckpointError(f"{spec.raw.path}: cannot read: {exc}") from None
+    key = spec.key
+    fingerprint = {"checkpoint": key["checkpoint"], "tp_size": key["tp_size"],
+                   "tp_rank": key["tp_rank"], "dtype": table.served_dtype,
+                   "shard_rules": key["shard_rules"], "aliases": fp.aliases_hash(table.aliases),
+                   "runtime_version": key["runtime_version"]}
+    PLANS.put(spec.cache_key, plancache.Plan(
+        tuple(spec.raw.files), spec.dirs, plancache.claimed_identities(claim), table,
+        fingerprint, table.share), spec.started_ns)
+    return ExpectedShard(table, {**fingerprint, "content": claim}, spec.identity, spec.device)
+
+
 def _from_cache(
-    plan: ExpectedShard, path: Path, **kw: Any
-) -> tuple[dict[str, torch.Tensor], int, int | None]:
+    spec: ExpectedShard | UnplannedShard, path: Path, **kw: Any
+) -> tuple[ExpectedShard, dict[str, torch.Tensor], int, int | None]:
     """The cache path; whatever a daemon (or a lying peer) answers, a WeightCacheError."""
     try:
-        return _from_cache_unchecked(plan, path, **kw)
+        return _from_cache_unchecked(spec, path, **kw)
     except WeightCacheError:
         raise
     except Exception as exc:  # the contract: never another exception from the cache path
@@ -261,10 +428,76 @@ def _check_generation(hello: dict[str, Any], generation: Any) -> None:
             f"{generation!r} -> {update.get('generation') if isinstance(update, dict) else '?'})")
 
 
+class _Clock:
+    """Seconds per phase of one attach (AttachResult.phases)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = phases
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+class _Destination:
+    """Copy mode's destination: the caller's block, or one allocated on a thread of its own
+    while the request and the mapping go on (16 GB of fresh device memory takes
+    milliseconds of driver calls, which then overlap the rest of the attach)."""
+
+    def __init__(self, nbytes: int, device: torch.device, out: torch.Tensor | None) -> None:
+        self.error: BaseException | None = None
+        self.block: torch.Tensor | None = None
+        if out is not None:
+            if (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes
+                    or out.device != device or not out.is_contiguous()):
+                raise ValueError(f"out must be a contiguous flat uint8 tensor of >= {nbytes}"
+                                 f" bytes on {device}")
+            self.block, self.thread = out, None
+            return
+        self.thread = threading.Thread(target=self._allocate, args=(nbytes, device),
+                                       name="weightcache-alloc", daemon=True)
+        self.thread.start()
+
+    def _allocate(self, nbytes: int, device: torch.device) -> None:
+        try:
+            self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except BaseException as exc:  # re-raised by take()
+            self.error = exc
+
+    def take(self) -> torch.Tensor:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.block is not None
+        return self.block
+
+
+def _close_later(imported: Any) -> None:
+    """Unmap a copied arena on a thread of its own: the copy has landed, and tearing down the
+    mapping of a whole shard (page tables, a device synchronize) need not hold up the engine.
+    Not a daemon thread: the interpreter waits for it before it exits (and CUDA goes)."""
+    threading.Thread(target=imported.close, name="weightcache-unmap").start()
+
+
 def _from_cache_unchecked(
-    plan: ExpectedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
-    connect_timeout_s: float, state_timeout_s: float,
-) -> tuple[dict[str, torch.Tensor], int, int | None]:
+    spec: ExpectedShard | UnplannedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
+    connect_timeout_s: float, state_timeout_s: float, phases: dict[str, float] | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[ExpectedShard, dict[str, torch.Tensor], int, int | None]:
+    """(the plan served by, the named tensors, the arena's size, the generation)."""
+    clock = _Clock({} if phases is None else phases)
+    destination: _Destination | None = None
+
+    def copy_to(nbytes: int) -> None:
+        nonlocal destination
+        if mode == "copy" and destination is None:
+            destination = _Destination(nbytes, spec.device, out)
+
+    if isinstance(spec, ExpectedShard):
+        copy_to(spec.layout.nbytes)  # known already: allocate while we ask
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
         hello, _ = request(sock, "hello")
         raise_for(hello)
@@ -273,8 +506,8 @@ def _from_cache_unchecked(
         if not hello.get("ready"):
             raise NotReadyError(f"daemon at {path} holds no weights (loading or released)")
         served = (hello.get("device") or {}).get("uuid")
-        if served != plan.identity:
-            raise DeviceMismatchError(f"daemon serves device {served!r}, we are {plan.identity!r}")
+        if served != spec.identity:
+            raise DeviceMismatchError(f"daemon serves device {served!r}, we are {spec.identity!r}")
         if hello.get("rank") != tp_rank or hello.get("tp_size") != tp_size:
             raise FingerprintMismatchError(
                 f"daemon serves rank {hello.get('rank')}/{hello.get('tp_size')},"
@@ -282,10 +515,18 @@ def _from_cache_unchecked(
                 [f for f, a, b in (("tp_rank", hello.get("rank"), tp_rank),
                                    ("tp_size", hello.get("tp_size"), tp_size)) if a != b],
             )
+        clock.mark("hello")
         sock.settimeout(state_timeout_s)
+        if isinstance(spec, UnplannedShard):
+            plan = _plan_here_or_shipped(sock, spec)
+            clock.mark("get_plan")
+            copy_to(plan.layout.nbytes)
+        else:
+            plan = spec
         reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint,
                              mode=mode)
         served_at = time.monotonic()
+        clock.mark("get_state")
         try:
             raise_for(reply)
             _check_table(plan, reply)
@@ -304,19 +545,28 @@ def _from_cache_unchecked(
         finally:
             for fd in fds:
                 os.close(fd)
+        clock.mark("map")
         try:
             flat = imported.tensor()
             if flat.numel() < plan.layout.nbytes:
                 raise CacheProtocolError(
                     f"mapped arena holds {flat.numel()} bytes, the layout needs"
                     f" {plan.layout.nbytes}")
-            if mode == "copy":
-                # One copy of the whole arena, queued on the device; the mapping stays until
-                # the views are built, so that work overlaps the copy (unmapping waits for it).
-                flat = flat.clone()
-            # Our own layout, now known equal to the daemon's (its digest).
+            if destination is not None:
+                # One copy of the laid-out bytes into the block allocated meanwhile, queued on
+                # the device; the mapping stays until the views are built, so that work
+                # overlaps the copy (unmapping waits for it).
+                block = destination.take()
+                clock.mark("alloc")
+                need = plan.layout.nbytes
+                block[:need].copy_(flat[:need], non_blocking=True)
+                flat = block
+                clock.mark("copy_queued")
+            # Our own layout, or the daemon's bound to our files; equal to the served one
+            # (its digest). Its rows are checked against the arena as the views are made.
             state = plan.layout.views(flat)
-        except ArenaLayoutError as exc:
+            clock.mark("views")
+        except (ArenaLayoutError, plantable.PlanTableError) as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
         except BaseException:
@@ -324,15 +574,18 @@ def _from_cache_unchecked(
             raise
         generation = reply.get("generation")
         if mode == "copy":
-            imported.close()
             if plan.device.type == "cuda":
-                torch.cuda.synchronize(plan.device)  # the clone has landed
+                torch.cuda.synchronize(plan.device)  # the copy has landed
+            clock.mark("copy")
+            _close_later(imported)
+            clock.mark("release")
             _check_unchanged_after_copy(sock, served_at, path, generation,
                                         connect_timeout_s=connect_timeout_s,
                                         state_timeout_s=state_timeout_s)
+            clock.mark("check")
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).
-        return state, flat.numel(), generation if isinstance(generation, int) else None
+        return plan, state, flat.numel(), generation if isinstance(generation, int) else None
 
 
 def load_from_disk(layout: ArenaLayout, device: torch.device) -> dict[str, torch.Tensor]:
@@ -358,8 +611,12 @@ def attach(
     dtype: str = "auto",
     role: str = ROLE_TARGET,
     device_index: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> AttachResult:
-    """Like `load_state_dict`, but also says where the tensors came from and how long it took."""
+    """Like `load_state_dict`, but also says where the tensors came from and how long it took.
+
+    `out` (copy mode): a flat uint8 block on the device, at least the shard's size, to copy
+    into instead of a fresh allocation (an engine reloading into the memory it has)."""
     started = time.perf_counter()
     device = torch.device(device)
     mode = _pick(mode, os.environ.get(constants.ENV_MODE) or None, "zero_copy")
@@ -377,11 +634,15 @@ def attach(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", device_index)
     # Bad checkpoints and rules are configuration errors: the disk path could not do better.
+    phases: dict[str, float] = {}
+    t_plan = time.perf_counter()
     with gc_paused():  # the plan and the views: many objects, no cyclic garbage (gcpause.py)
-        plan = plan_rank(
+        spec = expect_rank(
             model_dir, device=device, device_index=device_index, tp_size=tp_size,
             tp_rank=tp_rank, shard_rules=shard_rules, dtype=dtype,
         )
+    phases["plan"] = time.perf_counter() - t_plan
+    plan: ExpectedShard | None = spec if isinstance(spec, ExpectedShard) else None
     path: Path | None = None
     try:
         if socket_path is not None:
@@ -393,12 +654,12 @@ def attach(
                 raise DaemonUnavailableError(f"no socket directory {exc.filename}") from None
             except SecurityError as exc:
                 raise CacheSecurityError(str(exc)) from None
-            path = derive_socket_path(directory, plan.identity, role)
-        cache_kw = dict(mode=mode, tp_size=tp_size, tp_rank=tp_rank,
+            path = derive_socket_path(directory, spec.identity, role)
+        cache_kw = dict(mode=mode, tp_size=tp_size, tp_rank=tp_rank, out=out, phases=phases,
                         connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s)
         try:
             with gc_paused():
-                state, nbytes, generation = _from_cache(plan, path, **cache_kw)
+                plan, state, nbytes, generation = _from_cache(spec, path, **cache_kw)
         except DaemonLoadingError:
             # Scale-up: the daemon is still loading this rank; it will finish before a disk
             # read beside it would (engine/loading.py). Only past the bound: disk.
@@ -407,8 +668,10 @@ def attach(
                 raise
             log.info("weightcache: waited %.2f s for the daemon loading %s", waited, path)
             with gc_paused():
-                state, nbytes, generation = _from_cache(plan, path, **cache_kw)
+                plan, state, nbytes, generation = _from_cache(spec, path, **cache_kw)
         source, reason = "cache", None
+    except CheckpointError:
+        raise  # the checkpoint itself is bad (found planning after the daemon's answer)
     except WeightCacheError as exc:
         generation = None
         if not fallback:
@@ -419,6 +682,12 @@ def attach(
             "weightcache%s: loading %s (rank %d/%d) from disk: %s",
             f" {cache}" if cache else "", model_dir, tp_rank, tp_size, reason,
         )
+        if plan is None or not isinstance(plan.layout, ArenaLayout):
+            with gc_paused():  # the disk path reads by this engine's own plan
+                plan = spec.plan() if isinstance(spec, UnplannedShard) else plan_rank(
+                    model_dir, device=device, device_index=device_index, tp_size=tp_size,
+                    tp_rank=tp_rank, shard_rules=shard_rules, dtype=dtype, cache=False)
+        assert isinstance(plan.layout, ArenaLayout)
         try:
             state = load_from_disk(plan.layout, device)
         except Exception as disk:  # one contract: a failed load is a WeightCacheError
@@ -433,11 +702,13 @@ def attach(
         reason=reason,
         seconds=time.perf_counter() - started,
         nbytes=nbytes,
-        tensors=len(plan.layout.entries),
+        tensors=plan.tensors,
         mode=mode,
         socket=str(path) if path else None,
         aliases=dict(plan.layout.aliases),
         generation=generation,
+        phases={k: round(v, 6) for k, v in phases.items()},
+        plan=plan.how,
     )
 
 

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
             device_index=args.device_index if args.device_index is not None
             else device.index if device.index is not None else args.rank,
             tp_size=args.tensor_parallel_size, tp_rank=args.rank, shard_rules=rules,
-            dtype=args.dtype,
+            dtype=args.dtype, cache=False,  # planned from the files, whatever was kept
         )
         disk = load_from_disk(plan.layout, torch.device(args.device))
         bad = [n for n, t in disk.items() if not torch.equal(t, result.state_dict[n])]

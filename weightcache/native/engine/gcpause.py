@@ -6,6 +6,12 @@ passes: with it running, attach time grew faster than the tensor count (3,000 te
 against 60 ms with it paused, on the CPU daemon). Nothing an attach builds is cyclic garbage,
 so the pass finds nothing. Attaches in several threads share one pause (a count): the
 collector runs again, if it was on before the first, once the last one ends.
+
+Re-enabling alone would only defer that pass: the young generation's count has grown by every
+object made meanwhile, so the next allocation would scan them all (about 1 us per tensor). At
+the end of the pause the young objects are therefore moved to the oldest generation
+unscanned (`gc.freeze()` then `gc.unfreeze()`, which also resets the young count), where an
+engine's long-lived weights belong; a later full collection still sees every one of them.
 """
 
 from __future__ import annotations
@@ -34,4 +40,6 @@ def gc_paused() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0 and _was_enabled:
+                gc.freeze()  # every tracked object into the permanent generation, count 0...
+                gc.unfreeze()  # ...and back into the oldest one: young ones promoted unscanned
                 gc.enable()

@@ -17,6 +17,9 @@ A plan is kept only if all of those timestamps were older than RACY_S when plann
 A file written within the same timestamp tick as our look at it could change again without
 its identity changing (git's "racy clean" case); such a plan is used once and not kept.
 
+A plan the daemon shipped (plantable.py) is kept the same way, under the same conditions: it
+was bound to these files' bytes when it came.
+
 The content claim itself is never cached: every attach samples fresh chunks and the daemon
 checks them against every byte it loaded, exactly as without this cache.
 """
@@ -33,6 +36,7 @@ from typing import Any
 
 from ..shared.checkpoint import INDEX_NAME
 from ..shared.loader import ArenaLayout
+from ..shared.plantable import ShippedTable
 
 MAX_PLANS = 4  # a process attaches a handful of checkpoints (target, draft, a revision)
 RACY_S = 2.0  # timestamps newer than this (before planning) may not yet name the bytes
@@ -64,7 +68,7 @@ class Plan:
     files: tuple[Path, ...]
     dirs: tuple[Stamp, Stamp, Stamp]
     identities: tuple[tuple[int, ...], ...]
-    layout: ArenaLayout
+    layout: ArenaLayout | ShippedTable  # this process' plan, or the daemon's bound to the files
     fingerprint: dict[str, Any]  # without `content`: the claim is fresh on every attach
     # A tensor-parallel rank's chunks per file (None at TP=1): its fresh claims sample there.
     share: dict[str, Any] | None = None

@@ -95,6 +95,10 @@ class Checkpoint:
     # basename -> sha256 (hex) of the header's raw bytes, as read: what the fingerprint hashes
     # (the same bytes give the same digest on both sides without re-serialising the headers).
     header_digests: dict[str, str] = field(default_factory=dict)
+    # sha256 (hex) of the index's and config.json's raw bytes (None: absent): with the header
+    # digests, everything a rank's plan is made from (`plantable.plan_key`).
+    index_digest: str | None = None
+    config_digest: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -277,13 +281,13 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None, str | None]:
+    """The checkpoint's files, the index's weight map and the digest of its raw bytes."""
     index = model_dir / INDEX_NAME
     if index.exists():
         try:
-            weight_map = _load_json(index.read_bytes(), f"{index}: not a valid safetensors index")[
-                "weight_map"
-            ]
+            raw = index.read_bytes()
+            weight_map = _load_json(raw, f"{index}: not a valid safetensors index")["weight_map"]
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -298,9 +302,9 @@ def _files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
                 raise CheckpointError(f"{index}: file {name!r} is outside the model directory")
             if not (model_dir / name).is_file():
                 raise CheckpointError(f"{index}: references missing file {name}")
-        return [model_dir / n for n in names], weight_map
+        return [model_dir / n for n in names], weight_map, hashlib.sha256(raw).hexdigest()
     files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
-    return files, None
+    return files, None, None
 
 
 def _hub_id_hint(model_dir: str | os.PathLike) -> str:
@@ -323,17 +327,34 @@ def _pickle_hint(path: Path) -> str:
             " are never loaded, they can run code)")
 
 
-def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+def _model_files(model_dir: str | os.PathLike) -> tuple[Path, list[Path], dict[str, str] | None,
+                                                    str | None]:
+    """The directory checked, its files, the index's weight map and its raw digest."""
     path = Path(model_dir)
     if not path.exists():
         raise CheckpointError(f"model directory {path} does not exist{_hub_id_hint(model_dir)}")
     if not path.is_dir():
         raise CheckpointError(f"model path {path} is not a directory")
-    files, weight_map = _files(path)
+    files, weight_map, index_digest = _files(path)
     if not files:
         raise CheckpointError(
             f"model directory {path} contains no .safetensors files{_pickle_hint(path)}"
         )
+    return path, files, weight_map, index_digest
+
+
+def _config_bytes(path: Path) -> bytes | None:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        return cfg_path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    path, files, weight_map, index_digest = _model_files(model_dir)
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, dict[str, Any]] = {}
     digests: dict[str, str] = {}
@@ -351,16 +372,39 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
             if name not in tensors or tensors[name].file.name != fname:
                 raise CheckpointError(f"{path / INDEX_NAME}: {name!r} is not in {fname}")
     config = None
-    cfg_path = path / "config.json"
-    if cfg_path.is_file():
-        try:
-            loaded = _load_json(cfg_path.read_bytes(), f"{cfg_path}: not valid JSON")
-            config = loaded if isinstance(loaded, dict) else None
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
-    return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config, digests)
+    raw_config = _config_bytes(path)
+    if raw_config is not None:
+        loaded = _load_json(raw_config, f"{path / 'config.json'}: not valid JSON")
+        config = loaded if isinstance(loaded, dict) else None
+    return Checkpoint(path, files, dict(sorted(tensors.items())), headers, config, digests,
+                      index_digest, _digest(raw_config))
+
+
+def _digest(raw: bytes | None) -> str | None:
+    return None if raw is None else hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class RawCheckpoint:
+    """What a checkpoint's plan is made from, by digest, without parsing a header: the
+    engine's first attach binds a plan the daemon ships to exactly these bytes."""
+
+    path: Path
+    files: list[Path]
+    header_digests: dict[str, str]  # basename -> sha256 of the raw header, as Checkpoint's
+    index_digest: str | None
+    config_digest: str | None
+
+
+def read_raw(model_dir: str | os.PathLike) -> RawCheckpoint:
+    """The files (from the index or the directory, checked as `open_checkpoint` does) and the
+    digests of their raw headers, the index and config.json. Raises CheckpointError.
+
+    The headers are read and hashed, never parsed: a header `open_checkpoint` would refuse
+    has a digest no daemon serves (a daemon refuses it at start), so it matches nothing."""
+    path, files, _, index_digest = _model_files(model_dir)
+    digests = {f.name: hashlib.sha256(_read_raw_header(f)[0]).hexdigest() for f in files}
+    return RawCheckpoint(path, files, digests, index_digest, _digest(_config_bytes(path)))
 
 
 def tied_aliases(ckpt: Checkpoint) -> dict[str, str]:

@@ -41,8 +41,23 @@ def checkpoint_hash(ckpt: Checkpoint) -> str:
     bytes name the same header at least as strictly (a header that parses equal but is written
     differently only misses). A Checkpoint built without raw digests hashes its headers."""
     if ckpt.header_digests and set(ckpt.header_digests) == set(ckpt.headers):
-        return _sha256({"raw_sha256": ckpt.header_digests})
+        return raw_checkpoint_hash(ckpt.header_digests)
     return _sha256(ckpt.headers)
+
+
+def raw_checkpoint_hash(header_digests: dict[str, str]) -> str:
+    """`checkpoint_hash` from the raw header digests alone (`checkpoint.read_raw`)."""
+    return _sha256({"raw_sha256": header_digests})
+
+
+def rules_hash(shard_rules: list[str] | tuple[str, ...], tp_size: int) -> str:
+    """The fingerprint's `shard_rules`: at TP=1 no rule changes a byte (every tensor is
+    whole), so --no-shard-rules matches."""
+    return _sha256(list(shard_rules) if tp_size > 1 else [])
+
+
+def aliases_hash(aliases: dict[str, str]) -> str:
+    return _sha256(aliases)
 
 
 def compute(
@@ -61,9 +76,8 @@ def compute(
         "tp_size": tp_size,
         "tp_rank": tp_rank,
         "dtype": dtype,
-        # At TP=1 no rule changes a byte (every tensor is whole): --no-shard-rules matches.
-        "shard_rules": _sha256(list(shard_rules) if tp_size > 1 else []),
-        "aliases": _sha256(aliases),
+        "shard_rules": rules_hash(shard_rules, tp_size),
+        "aliases": aliases_hash(aliases),
         "runtime_version": RUNTIME_VERSION,
         "content": content,
     }

@@ -23,7 +23,9 @@ from weightcache.errors import ProjectError
 # 2: get_state answers a `table_digest` (loader.ArenaLayout.digest) instead of the rows, and
 # the fingerprint's `checkpoint` hashes the raw header bytes. A v1 peer is refused cleanly
 # both ways: hello's protocol (client side), runtime_version in the fingerprint (daemon side).
-PROTOCOL_VERSION = 2
+# 3: `get_plan` ships the daemon's plan to an engine whose plan key matches (plantable.py),
+# and `get_table` answers in pages (`start`, `next`). A v2 peer is refused as a v1 one was.
+PROTOCOL_VERSION = 3
 MAX_FRAME = 16 * 1024 * 1024
 MAX_FDS = 16
 _HEADER = struct.Struct(">I")
@@ -40,6 +42,7 @@ E_TRANSPORT_UNAVAILABLE = "transport_unavailable"
 E_PERMISSION_DENIED = "permission_denied"
 E_BUSY = "busy"
 E_INTERNAL = "internal"
+E_NO_PLAN = "no_plan"  # get_plan: this rank ships no plan (the engine plans itself)
 # In-place updates (native/daemon/updater.py).
 E_LAYOUT_MISMATCH = "layout_mismatch"
 E_UPDATE_STATE = "update_state"
@@ -61,6 +64,7 @@ ERROR_CODES = frozenset(
         E_PERMISSION_DENIED,
         E_BUSY,
         E_INTERNAL,
+        E_NO_PLAN,
         E_LAYOUT_MISMATCH,
         E_UPDATE_STATE,
         E_PAUSE_TIMEOUT,
@@ -70,7 +74,7 @@ ERROR_CODES = frozenset(
         E_NO_ROLLBACK,
     }
 )
-COMMANDS = ("hello", "get_state", "get_memory", "release", "watch", "stats")
+COMMANDS = ("hello", "get_plan", "get_state", "get_memory", "release", "watch", "stats")
 # In-place update commands, handled by native/daemon/updater.py (docs/updates.md).
 UPDATE_COMMANDS = (
     "get_table", "update_stage", "update_pause", "update_write", "update_finish", "update_abort"
@@ -207,6 +211,20 @@ def recv_frame(
     except BaseException:
         _close_all(fds)
         raise
+
+
+TABLE_PAGE = 4 << 20  # about how many bytes of rows one `get_table` reply carries
+
+
+def table_page(rows: list[dict[str, Any]], start: int) -> tuple[list[dict[str, Any]], int | None]:
+    """`rows[start:]` up to about TABLE_PAGE bytes of msgpack (at least one row), and where
+    the next page starts (None after the last): a table of any size fits the frame limit."""
+    end, size = start, 0
+    while end < len(rows) and (end == start or size < TABLE_PAGE):
+        row = rows[end]
+        size += 64 + len(row["name"]) + 10 * (len(row["shape"]) + len(row["stride"]))
+        end += 1
+    return rows[start:end], end if end < len(rows) else None
 
 
 def error(code: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import fingerprint as fp
-from .checkpoint import Checkpoint, tied_aliases
+from .checkpoint import DTYPES, Checkpoint, tied_aliases
 from .loader import ArenaLayout, dtype_name, plan_layout
 from .sharding import ShardRule
 
@@ -57,10 +57,25 @@ def served_dtype(layout: ArenaLayout) -> str:
     (every request serves the same bytes).
     """
     served: dict[str, str] = {}
-    for entry in layout.entries:
+    for entry in layout.entries:  # per tag once: the torch dtype is looked up by name
         src = entry.source
-        if src.dtype.is_floating_point and src.itemsize > 1:
+        if src.tag not in served and src.tag in CONVERTIBLE:
             served[src.tag] = dtype_name(entry.dtype)
+    return _name(served)
+
+
+# safetensors tags `--dtype` converts (loader.target_dtype: floating point, wider than a byte).
+CONVERTIBLE = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+def served_for(tags: set[str] | frozenset[str], dtype: str) -> str:
+    """`served_dtype` of a layout whose tensors have these source tags, planned with `dtype`
+    (what a daemon answers for another engine's request, without planning it)."""
+    return _name({tag: dtype if dtype != "auto" else DTYPES[tag][0]
+                  for tag in tags if tag in CONVERTIBLE})
+
+
+def _name(served: dict[str, str]) -> str:
     kinds = set(served.values())
     if not kinds:
         return "as-stored"
