@@ -203,7 +203,7 @@ def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = No
     for path, size in sorted((cover or {}).items()):
         chunks = None if share is None else share.get(path, set())
         jobs.extend(_cover(path, size, by_file.pop(path, []), chunk, chunks))
-    # Files in name order, each front to back: the order `prefetch` warms them in.
+    # Files in name order, each front to back: the order the early reads read them in.
     for path, pieces in sorted(by_file.items()):
         pieces.sort(key=lambda p: p.file_offset)
         current: Job | None = None

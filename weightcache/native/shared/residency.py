@@ -2,7 +2,7 @@
 
 The cold loader reads a range through the page cache when the cache already holds all of it
 (a memory copy) and with O_DIRECT otherwise (the disk's full rate, no readahead fighting
-between threads); the prefetcher skips ranges that are already resident. Both need the
+between threads); the early reads leave ranges that are already resident to the fill. Both need the
 answer without touching the data: `cachestat(2)` (Linux 6.5+) gives it for a byte range in
 one call; older kernels get `mincore(2)` on a read-only mapping of the range, which maps no
 page in. Where neither works the answer is "not resident", which only costs speed.
