@@ -456,13 +456,17 @@ class _Destination:
                                  f" bytes on {device}")
             self.block, self.thread = out, None
             return
-        self.thread = threading.Thread(target=self._allocate, args=(nbytes, device),
+        # The caller's stream: the caching allocator ties a block to the stream it was
+        # allocated on, and the engine uses (and one day frees) it on its own.
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._allocate, args=(nbytes, device, stream),
                                        name="weightcache-alloc", daemon=True)
         self.thread.start()
 
-    def _allocate(self, nbytes: int, device: torch.device) -> None:
+    def _allocate(self, nbytes: int, device: torch.device, stream: Any) -> None:
         try:
-            self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         except BaseException as exc:  # re-raised by take()
             self.error = exc
 
@@ -473,13 +477,6 @@ class _Destination:
             raise self.error
         assert self.block is not None
         return self.block
-
-
-def _close_later(imported: Any) -> None:
-    """Unmap a copied arena on a thread of its own: the copy has landed, and tearing down the
-    mapping of a whole shard (page tables, a device synchronize) need not hold up the engine.
-    Not a daemon thread: the interpreter waits for it before it exits (and CUDA goes)."""
-    threading.Thread(target=imported.close, name="weightcache-unmap").start()
 
 
 def _from_cache_unchecked(
@@ -577,7 +574,9 @@ def _from_cache_unchecked(
             if plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)  # the copy has landed
             clock.mark("copy")
-            _close_later(imported)
+            # Unmapped here, on the engine's thread: the driver calls need this thread's CUDA
+            # context (a new thread has none: cuCtxSynchronize would fail and the mapping leak).
+            imported.close()
             clock.mark("release")
             _check_unchanged_after_copy(sock, served_at, path, generation,
                                         connect_timeout_s=connect_timeout_s,
