@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,8 +53,29 @@ def rank_pids(launcher_pid: int) -> list[int]:
     return out
 
 
+def _where(pids: list[int]) -> str:
+    """What each live rank is doing (state, kernel wait channel, threads): for a hang's report."""
+    out = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        out.append(f"rank {pid}: {fields.get('State', '?').strip()} wchan={wchan} "
+                   f"threads={fields.get('Threads', '?').strip()}")
+    return "\n".join(out)
+
+
 def assert_clean(p, sock_dir: Path, pids: list[int]) -> None:
-    code = p.proc.wait(60)
+    try:
+        code = p.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        where = _where([p.proc.pid, *pids])
+        p.proc.kill()
+        err = p.proc.stderr.read()
+        pytest.fail(f"the launcher still ran 60 s after the signal\n{where}\n{err}")
     err = p.proc.stderr.read()
     deadline = time.monotonic() + 30
     while any(map(pid_alive, pids)) and time.monotonic() < deadline:
