@@ -26,9 +26,9 @@ checked again after the last read: a file replaced, rewritten or truncated durin
 raises ContentError naming it (never a record of bytes the arena does not hold, and never a
 SIGBUS: nothing here maps a file).
 
-Jobs that `earlyread.EarlyReads` read (and hashed) while the rank was still importing torch are
-taken from its host memory instead of the disk, when the files opened here are the very files
-it read (same identity).
+Jobs that `earlyread.EarlyReads` read while the rank was still importing torch are taken from
+its host memory instead of the disk (and hashed here like any other), when the files opened
+here are the very files it read (same identity).
 
 The same code fills a CPU arena (a memfd, or staging for an update): the buffers are then
 ordinary page-aligned memory and the copies synchronous.
@@ -51,6 +51,8 @@ import torch
 
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
 from .earlyread import (
+    MAX_OPEN_PER_THREAD,
+    PAGE,
     EarlyReads,
     cover_spans,
     grid_span,
@@ -66,10 +68,8 @@ MiB = 1 << 20
 # 1.72 GB/s, 16 x 32 MiB 1.77, 32 x 16 MiB 1.85, 32 x 8 MiB 1.56; warm, in the daemon: 16 x 16
 # MiB 19.8 GB/s, 32 x 8 MiB 14.1): many threads with 16 MiB reads, each pinning 2 x chunk.
 DEFAULT_THREADS = 32
-# A power of two matches torch's pinned-memory size classes; 32 x 2 x 16 MiB = 1 GiB pinned.
-DEFAULT_CHUNK = 16 * MiB
-PAGE = 4096
-MAX_OPEN_PER_THREAD = 32  # descriptors a reader thread keeps open (threads x files otherwise)
+# The read size (earlyread.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
+# classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
 # cache still holds it (a multiple of the content chunk; a few per core's L2).
 HOT_STEP = 4 * CHUNK_BYTES
@@ -337,17 +337,17 @@ class _Reader:
         if not direct and hash_piece is not None:
             got = self._read_hot(self.fd(path, False), view, lo, hash_piece)
             hash_piece = None
-        try:
-            if not got:
-                got = read_fully(self.fd(path, direct), view, lo)
-        except OSError:
-            if not direct:
-                raise
-            # The file system refuses O_DIRECT (tmpfs, overlay): buffered reads from now on.
-            self.mode = direct = False
-            lo, hi = start, end
-            view = memoryview(buf.numpy())[: hi - lo]
+        elif not direct:
             got = read_fully(self.fd(path, False), view, lo)
+        else:
+            try:
+                got = read_fully(self.fd(path, True), view, lo)
+            except OSError:
+                # The file system refuses O_DIRECT (tmpfs, overlay): buffered reads from now on.
+                self.mode = direct = False
+                lo, hi = start, end
+                view = memoryview(buf.numpy())[: hi - lo]
+                got = read_fully(self.fd(path, False), view, lo)
         if got < end - lo:
             raise ContentError(f"{path}: only {got} of {end - lo} bytes at offset {lo}: the file "
                                "was truncated or replaced while it was being loaded")
@@ -367,13 +367,14 @@ class _Reader:
                   hash_piece: Callable[[memoryview, int], None]) -> int:
         got = 0
         while got < len(view):
-            n = read_fully(fd, view[got : got + HOT_STEP], offset + got)
+            want = min(HOT_STEP, len(view) - got)
+            n = read_fully(fd, view[got : got + want], offset + got)
             if n:
                 t0 = time.perf_counter()
                 hash_piece(view[got : got + n], offset + got)
                 self.hash_seconds += time.perf_counter() - t0
             got += n
-            if n < min(HOT_STEP, len(view) - got + n):
+            if n < want:
                 break  # the file ends here
         return got
 
@@ -693,10 +694,12 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
 def _interleave(jobs: list[Job], early: EarlyReads) -> list[Job]:
     """The disk's jobs in their order, with the early-read ones spread evenly among them: the
     disk stays busy from the first moment, and the memory copies fill its waits."""
-    held = [j for j in jobs if j.entry is None and early.holds(j.path, j.start, j.end)]
+    held: list[Job] = []
+    rest: list[Job] = []
+    for j in jobs:
+        (held if j.entry is None and early.holds(j.path, j.start, j.end) else rest).append(j)
     if not held:
         return jobs
-    rest = [j for j in jobs if not (j.entry is None and early.holds(j.path, j.start, j.end))]
     out: list[Job] = []
     step = len(rest) / len(held)
     k = 0

@@ -160,12 +160,6 @@ class ChunkSink:
                 view[at : at + step])
             seen[index] = 1
 
-    def put(self, path: Path, first: int, digests: bytes) -> None:
-        """Chunk digests made elsewhere from the same bytes (`earlyread`), from chunk `first`."""
-        count = len(digests) // DIGEST_BYTES
-        self._chunks[path][first * DIGEST_BYTES : (first + count) * DIGEST_BYTES] = digests
-        self._seen[path][first : first + count] = b"\x01" * count
-
     def record(self) -> dict[str, FileDigest]:
         out: dict[str, FileDigest] = {}
         for path, ident in self.identities.items():
