@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -112,6 +112,15 @@ while [ $# -gt 0 ]; do
         WEIGHTCACHE_BENCH_RESTART_MODEL="$SIZE" \
         WEIGHTCACHE_BENCH_RESTART_PARTS="${RESTART_PARTS:-compile,fresh}" \
         timeout "${BENCH_TIMEOUT:-570}" python3 -m weightcache.cli bench --device cuda restart 2>&1 | tee "$OUT/bench_restart.log"
+      rm -rf "$WORK"
+      ;;
+    probe)
+      # tests/gpu/probe_io.py: the digest's scaling with threads per chunk size, and how reads
+      # in the background slow a cold `import torch`; PROBE_PARTS narrows it (hash,contend).
+      shift
+      WORK=/var/tmp/wc-probe; rm -rf "$WORK"; mkdir -p "$WORK"
+      timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_io.py "$WORK" "$OUT/probe_io.json" \
+        $(echo "${PROBE_PARTS:-hash,contend}" | tr , ' ') 2>&1 | tee "$OUT/probe_io.log"
       rm -rf "$WORK"
       ;;
     *) echo "unknown step $1"; shift ;;

@@ -33,6 +33,7 @@ from weightcache.contracts.vocabulary import (
 
 from ..shared import limits
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from ..shared.diskshare import START_GENTLE, for_load
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
 from ..shared.security import (
@@ -191,7 +192,11 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
         raise RankRefused(str(exc)) from None
     if budget <= 0:
         return None
-    return EarlyReads(ckpt.files, budget).start()
+    try:  # the early reads go gentle while the import faults (diskshare.py); the fill too
+        disk, _ = for_load(start_gentle=START_GENTLE)
+    except ValueError as exc:
+        raise RankRefused(str(exc)) from None
+    return EarlyReads(ckpt.files, budget, disk=disk).start()
 
 
 def bind(config: RankConfig, path: Path) -> socket.socket:

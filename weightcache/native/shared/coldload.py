@@ -50,13 +50,13 @@ import numpy as np
 import torch
 
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
+from .diskshare import DiskShare, for_load, idle_io_priority
 from .earlyread import (
     MAX_OPEN_PER_THREAD,
     PAGE,
     EarlyReads,
     cover_spans,
     grid_span,
-    idle_io_priority,
     load_chunk,
     read_fully,
     span_of,
@@ -71,8 +71,14 @@ DEFAULT_THREADS = 32
 # The read size (earlyread.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
-# cache still holds it (a multiple of the content chunk; a few per core's L2).
+# cache still holds it (a multiple of the content chunk: 4 MiB).
 HOT_STEP = 4 * CHUNK_BYTES
+# The CPU's work (page-cache copies, early-read copies, hashing) runs in at most this many
+# readers at once: the disk wants 32 reads in flight, the CPU no more workers than cores (on
+# the H200 host, 32 readers copying and hashing from the page cache ran 14.2 GB/s, 16 ran
+# 21.8: tests/gpu/probe_io.py).
+def cpu_slots(threads: int) -> int:
+    return max(1, min(threads, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ class LoadStats:
     early_bytes: int = 0  # taken from the reads made while the rank started (earlyread)
     read_seconds: float = 0.0  # file reads, summed over threads
     wait_seconds: float = 0.0  # waiting for a buffer's copies to drain, summed over threads
+    disk: dict[str, Any] | None = None  # the disk's share (diskshare.DiskShare.stats)
 
     @property
     def gbps(self) -> float:
@@ -135,6 +142,7 @@ class LoadStats:
             "wait_seconds_sum": round(self.wait_seconds, 3),
             "hash_seconds_sum": round(self.hash_seconds, 3),
             "early_bytes": self.early_bytes,
+            "disk": self.disk,
         }
 
 
@@ -261,9 +269,12 @@ class _Reader:
     """Per-thread state: open files, two pinned buffers, one stream."""
 
     def __init__(self, device: torch.device, chunk: int, direct: bool | str,
-                 opened: dict[Path, int] | None = None) -> None:
+                 opened: dict[Path, int] | None = None,
+                 cpu: threading.Semaphore | None = None, disk: DiskShare | None = None) -> None:
         t0 = time.perf_counter()
         self.opened = opened or {}  # path -> fd opened before the load: read that inode
+        self.cpu = cpu or threading.Semaphore(1)  # shared by the load's readers (cpu_slots)
+        self.disk = disk  # the direct reads yield to other readers of the disk (diskshare)
         self.chunk = chunk
         self.span = span_of(chunk)  # file bytes per read; alignment slack fits in `chunk`
         self.mode = direct  # True, False or "auto" (per range, by page-cache residency)
@@ -335,25 +346,29 @@ class _Reader:
         view = memoryview(buf.numpy())[: hi - lo]
         got = 0
         if not direct and hash_piece is not None:
-            got = self._read_hot(self.fd(path, False), view, lo, hash_piece)
+            with self.cpu:
+                got = self._read_hot(self.fd(path, False), view, lo, hash_piece)
             hash_piece = None
         elif not direct:
-            got = read_fully(self.fd(path, False), view, lo)
+            with self.cpu:
+                got = read_fully(self.fd(path, False), view, lo)
         else:
             try:
-                got = read_fully(self.fd(path, True), view, lo)
+                got = read_fully(self.fd(path, True), view, lo, self.disk)
             except OSError:
                 # The file system refuses O_DIRECT (tmpfs, overlay): buffered reads from now on.
                 self.mode = direct = False
                 lo, hi = start, end
                 view = memoryview(buf.numpy())[: hi - lo]
-                got = read_fully(self.fd(path, False), view, lo)
+                with self.cpu:
+                    got = read_fully(self.fd(path, False), view, lo)
         if got < end - lo:
             raise ContentError(f"{path}: only {got} of {end - lo} bytes at offset {lo}: the file "
                                "was truncated or replaced while it was being loaded")
         if hash_piece is not None:
             t0 = time.perf_counter()
-            hash_piece(view[start - lo : end - lo], start)
+            with self.cpu:
+                hash_piece(view[start - lo : end - lo], start)
             self.hash_seconds += time.perf_counter() - t0
         self.read_seconds += time.perf_counter() - t_read
         self.read_bytes += got
@@ -384,13 +399,14 @@ class _Reader:
         hashing each HOT_STEP piece right after its copy."""
         buf = self._next_buffer()
         out = buf.numpy()
-        for at in range(0, len(data), HOT_STEP):
-            piece = data[at : at + HOT_STEP]
-            np.copyto(out[at : at + len(piece)], piece)  # releases the GIL
-            if hash_piece is not None:
-                t0 = time.perf_counter()
-                hash_piece(memoryview(out[at : at + len(piece)]), offset + at)
-                self.hash_seconds += time.perf_counter() - t0
+        with self.cpu:
+            for at in range(0, len(data), HOT_STEP):
+                piece = data[at : at + HOT_STEP]
+                np.copyto(out[at : at + len(piece)], piece)  # releases the GIL
+                if hash_piece is not None:
+                    t0 = time.perf_counter()
+                    hash_piece(memoryview(out[at : at + len(piece)]), offset + at)
+                    self.hash_seconds += time.perf_counter() - t0
         self.cached_bytes += len(data)
         return buf
 
@@ -529,6 +545,7 @@ def load_entries(
     digest: list[Path | str] | None = None,
     share: bool = False,
     early: EarlyReads | None = None,
+    disk: DiskShare | None = None,
 ) -> LoadStats:
     """Fill the arena `flat` (uint8, 1-D; CUDA or CPU) with loader `Entry` objects.
 
@@ -538,7 +555,9 @@ def load_entries(
     (the checkpoint's files), those files are read whole and `stats.record` is their content
     record, from the same pass; with `share`, only the chunks the entries read (a
     tensor-parallel rank's share, `share_chunks`). With `early` (whole files only), the jobs
-    it holds come from its memory. Raises ContentError when a file changed
+    it holds come from its memory. The direct reads yield to programs starting beside the
+    load (`disk`, else the early reads' share, else one of its own: diskshare.py).
+    Raises ContentError when a file changed
     under the load; an exception in the caller's thread (a signal's) stops every reader
     before it propagates.
     Returns what was moved and how fast.
@@ -555,13 +574,20 @@ def load_entries(
         mode = False
     idle = io_priority(os.environ.get(IO_PRIORITY_ENV))
     opened: dict[Path, int] = {}
+    disk, mine = for_load(disk or (early.disk if early is not None else None))
     try:
         sink = _open_files(entries, digest, opened, share)
         if early is not None:
             early.accept({p: FileIdentity.of(os.fstat(fd)) for p, fd in opened.items()}
                          if sink is not None and sink.coverage is None else {})
-        return _load(entries, flat, threads, chunk, mode, progress, sink, opened, early, idle)
+        stats = _load(entries, flat, threads, chunk, mode, progress, sink, opened, early, idle,
+                      disk)
+        if disk is not None:
+            stats.disk = disk.stats()
+        return stats
     finally:
+        if mine and disk is not None:
+            disk.stop()
         for fd in opened.values():
             os.close(fd)
 
@@ -604,8 +630,8 @@ def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:
 
 def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode: bool | str,
           progress: Callable[[int], None] | None, sink: ChunkSink | None,
-          opened: dict[Path, int], early: EarlyReads | None = None, idle: bool = False
-          ) -> LoadStats:
+          opened: dict[Path, int], early: EarlyReads | None = None, idle: bool = False,
+          disk: DiskShare | None = None) -> LoadStats:
     stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
@@ -631,6 +657,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     taken: list[int] = []
     lock = threading.Lock()
     device = flat.device
+    cpu = threading.Semaphore(cpu_slots(count))
 
     def worker() -> None:
         reader = None
@@ -639,7 +666,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
                 torch.cuda.set_device(device)
             if idle:
                 idle_io_priority()
-            reader = _Reader(device, chunk, mode, opened)
+            reader = _Reader(device, chunk, mode, opened, cpu, disk)
             took = 0
             while True:
                 job = work.get()

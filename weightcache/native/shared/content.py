@@ -54,7 +54,11 @@ try:  # the `native` extra installs it; without it the slower standard-library h
 except ImportError:  # pragma: no cover - exercised where the wheel is missing
     _blake3 = None
 
-CHUNK_BYTES = 256 * 1024
+# 1 MiB: each chunk costs a few interpreter steps under the GIL besides its hash (which
+# releases it), and 32 reader threads hashing 256 KiB chunks were bound by those steps: on the
+# H200 host a warm fill of 32 readers ran 5.8 GB/s with 256 KiB chunks, 14-22 GB/s with 1 MiB
+# (tests/gpu/probe_io.py, docs/performance.md). A claim reads 8 chunks: 8 MiB, milliseconds.
+CHUNK_BYTES = 1024 * 1024
 DIGEST_BYTES = 16
 # Named in every record and claim: another hash is another identity.
 HASH = "blake3-128" if _blake3 is not None else "sha256-128"

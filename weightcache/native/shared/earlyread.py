@@ -15,12 +15,13 @@ Why not warm the page cache instead (what a prefetcher does): the page cache may
 read before the fill wants it, and buffered reads from many threads defeat readahead. Here each
 byte is read once, with O_DIRECT where the page cache lacks it, and hashed once (by the fill).
 
-Two things keep the early reads from slowing the start they overlap (measured on the H200: the
+Three things keep the early reads from slowing the start they overlap (measured on the H200: the
 import took 2x longer beside them until both were in): a range the page cache already holds
 is left to the fill (copying it early is CPU work beside the import for no disk time saved),
-and the early threads' reads go at the idle I/O priority (`ioprio_set(2)`, honoured by the
-mq-deadline and BFQ schedulers), so the import's own reads of its libraries from a cold disk
-go first.
+the early threads' reads go at the idle I/O priority (`ioprio_set(2)`), and while the
+import faults its libraries in from a cold disk the reads go gentle (`diskshare.DiskShare`:
+2 x 1 MiB in flight instead of 32 x 16 MiB; the idle priority alone did not help, because
+the device's queue holds every read the scheduler could have put behind the import's).
 
 Correctness does not depend on any of this: a file is used only if the fill opens the very
 file the early reads read, unchanged (the same `FileIdentity`, taken before the first early
@@ -32,10 +33,8 @@ short read drops its job, and any error leaves the job to the fill. The memory i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .content import CHUNK_BYTES, FileIdentity
+from .diskshare import DiskShare, idle_io_priority
 from .residency import resident
 
 MiB = 1 << 20
@@ -59,24 +59,6 @@ DEFAULT_CHUNK = 16 * MiB
 MAX_BUDGET = 8 << 30  # about what the disk reads while torch starts (4-5 s at 1.6-2 GB/s)
 MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fill's readers do
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
-
-
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
-_IOPRIO_CLASS_IDLE = 3
-_IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread only
-
-
-def idle_io_priority() -> bool:
-    """Put the calling thread's disk reads behind everyone else's; False where refused."""
-    if _IOPRIO_SET is None:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        value = _IOPRIO_CLASS_IDLE << 13
-        return libc.syscall(_IOPRIO_SET, _IOPRIO_WHO_PROCESS, threading.get_native_id(),
-                            value) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def span_of(chunk: int) -> int:
@@ -141,7 +123,11 @@ class EarlyReads:
     """The first `budget` bytes of `files` (name order, each front to back) in host memory."""
 
     def __init__(self, files: list[Path | str], budget: int, *, chunk: int | None = None,
-                 threads: int | None = None, direct: bool | str = "auto") -> None:
+                 threads: int | None = None, direct: bool | str = "auto",
+                 disk: DiskShare | None = None) -> None:
+        # The disk's share (diskshare.py): the early reads and then the fill yield to the
+        # rank's own import and to any other program starting; close() stops it.
+        self.disk = disk
         self.span = grid_span(span_of(chunk or load_chunk()))
         self.threads = max(1, threads or DEFAULT_THREADS)
         self.direct = direct if hasattr(os, "O_DIRECT") else False
@@ -240,7 +226,7 @@ class EarlyReads:
             else:
                 fd, extent = base, n
             view = memoryview(self._map)[job.at : job.at + extent]
-            got = read_fully(fd, view, job.start)
+            got = read_fully(fd, view, job.start, self.disk if direct else None)
         except OSError:
             if not direct:
                 return False
@@ -305,6 +291,8 @@ class EarlyReads:
     def close(self) -> None:
         """Stop, and give the memory and the descriptors back (views from `take` must be gone)."""
         self.stop()
+        if self.disk is not None:
+            self.disk.stop()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -315,12 +303,20 @@ class EarlyReads:
             self._map = None
 
 
-def read_fully(fd: int, view: memoryview, offset: int) -> int:
-    """Bytes read into `view` from `offset`: all of it, or fewer only at the end of the file."""
+def read_fully(fd: int, view: memoryview, offset: int, disk: DiskShare | None = None) -> int:
+    """Bytes read into `view` from `offset`: all of it, or fewer only at the end of the file.
+    With `disk`, in the pieces and at the pace its share allows (whole pages: O_DIRECT)."""
     got = 0
     total = len(view)
     while got < total:
-        n = os.preadv(fd, [view[got:]], offset + got)
+        if disk is None:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        else:
+            allowed = disk.acquire(total - got)
+            try:
+                n = os.preadv(fd, [view[got : got + allowed]], offset + got)
+            finally:
+                disk.release()
         if n == 0:
             break
         got += n

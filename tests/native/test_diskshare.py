@@ -1,0 +1,191 @@
+"""A load yields the disk while other programs fault pages in, and loads the same bytes.
+
+The faults here are real: a file written to the disk, dropped from the page cache, mapped with
+readahead off and touched page by page, so the kernel's own `pgmajfault` counter moves, as it
+does while an engine imports its libraries beside a loading daemon.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcache.native.shared import diskshare
+from weightcache.native.shared.checkpoint import open_checkpoint
+from weightcache.native.shared.coldload import drop_page_cache, load_entries
+from weightcache.native.shared.diskshare import DiskShare, read_faults
+from weightcache.native.shared.loader import plan_layout, tensors_from_table
+from weightcache.native.shared.sharding import parse_rules
+from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
+
+MiB = 1 << 20
+PAGE = mmap.PAGESIZE
+
+
+def _fault(path: Path, pages: int) -> int:
+    """Major faults made by touching `pages` pages of the cold file at `path`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            m.madvise(mmap.MADV_RANDOM)  # no readahead: one fault per touched page
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            step = max(PAGE, size // pages - (size // pages) % PAGE)
+            total = 0
+            for at in range(0, size, step):
+                total += m[at]
+            assert total >= 0
+            return resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def cold_file(tmp_path) -> Path:
+    path = tmp_path / "cold.bin"
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(32 * MiB))
+        fh.flush()
+        os.fsync(fh.fileno())
+    if _fault(path, 8) == 0:
+        pytest.skip("this file system serves mapped pages without major faults (tmpfs?)")
+    return path
+
+
+def _wait(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_fault_counter_is_the_kernels():
+    first = read_faults()
+    assert isinstance(first, int) and first >= 0
+    assert read_faults("/nonexistent/vmstat") is None
+
+
+def test_env_values():
+    assert diskshare.enabled("") and diskshare.enabled("auto")
+    assert not diskshare.enabled("off") and not diskshare.enabled("0")
+    with pytest.raises(ValueError, match="WEIGHTCACHE_LOAD_YIELD"):
+        diskshare.enabled("sometimes")
+
+
+def test_faults_make_reads_gentle_and_quiet_makes_them_full(cold_file):
+    share = DiskShare(interval=0.01, window=0.3, faults=4, hold=0.3).start()
+    try:
+        assert share.available
+        # Nobody faulting (a shared machine may fault now and then: wait for a quiet spell).
+        assert _wait(lambda: not share.gentle, 10)
+        got = share.acquire(16 * MiB)
+        share.release()
+        assert got == 16 * MiB
+        stop = threading.Event()
+
+        def faulter() -> None:
+            while not stop.is_set():
+                _fault(cold_file, 64)
+
+        t = threading.Thread(target=faulter)
+        t.start()
+        try:
+            assert _wait(lambda: share.gentle, 5), "64 major faults at a time went unseen"
+            got = share.acquire(16 * MiB)
+            share.release()
+            assert got == diskshare.GENTLE_READ
+            # At most GENTLE_READERS reads at a time while gentle.
+            inside, most = [0], [0]
+            lock = threading.Lock()
+
+            def reader() -> None:
+                for _ in range(20):
+                    share.acquire(MiB)
+                    with lock:
+                        inside[0] += 1
+                        most[0] = max(most[0], inside[0])
+                    time.sleep(0.002)
+                    with lock:
+                        inside[0] -= 1
+                    share.release()
+
+            readers = [threading.Thread(target=reader) for _ in range(8)]
+            for r in readers:
+                r.start()
+            for r in readers:
+                r.join()
+            if share.gentle:
+                assert most[0] <= diskshare.GENTLE_READERS
+        finally:
+            stop.set()
+            t.join()
+        assert _wait(lambda: not share.gentle, 10), "still gentle long after the faults ended"
+        stats = share.stats()
+        assert stats["gentle_switches"] >= 1 and stats["gentle_seconds"] > 0
+        assert stats["most_faults_in_window"] >= 4
+    finally:
+        share.stop()
+    assert share.acquire(16 * MiB) == 16 * MiB  # stopped: full
+    share.release()
+
+
+SHAPE = LlamaShape(hidden=256, layers=2, intermediate=768, vocab=1024, heads=4, kv_heads=2,
+                   tied=False)
+
+
+def test_a_gentle_load_reads_the_same_bytes(tmp_path):
+    """Gentle the whole time (a threshold of zero faults): 1 MiB direct reads, two at a time,
+    give exactly the bytes and the record of a full-speed load."""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    ckpt = open_checkpoint(model)
+    lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+
+    def fill(share: DiskShare | None):
+        drop_page_cache(ckpt.files, everything=False)
+        flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+        stats = load_entries(list(lay.entries), flat, threads=4, chunk=4 * MiB, direct=True,
+                             digest=list(ckpt.files), disk=share)
+        return flat, stats
+
+    gentle = DiskShare(interval=0.01, faults=0).start()
+    assert _wait(lambda: gentle.gentle, 5)
+    try:
+        flat_g, stats_g = fill(gentle)
+    finally:
+        gentle.stop()
+    off = DiskShare(source="/nonexistent")  # unreadable counter: never gentle
+    flat_f, stats_f = fill(off)
+    assert torch.equal(flat_g, flat_f)
+    assert stats_g.record == stats_f.record
+    assert stats_g.disk["gentle_seconds"] > 0 and stats_f.disk["gentle_seconds"] == 0
+    if stats_g.direct_bytes == 0:
+        pytest.skip("this file system refuses O_DIRECT: the reads were never gated")
+    ref = tensors_from_table(flat_f, lay.table(), lay.aliases)
+    from safetensors.torch import load_file
+
+    for f in ckpt.files:
+        for name, tensor in load_file(str(f)).items():
+            assert torch.equal(ref[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_a_share_that_starts_gentle_goes_full_without_faults():
+    """A rank's early reads start gentle (its import may fault at once) and go full once no
+    program faulted for a while (the libraries were in the page cache)."""
+    share = DiskShare(interval=0.01, window=0.1, hold=0.2, start_gentle=0.3).start()
+    try:
+        assert share.gentle
+        assert share.acquire(16 * MiB) == diskshare.GENTLE_READ
+        share.release()
+        assert _wait(lambda: not share.gentle, 10)
+    finally:
+        share.stop()

@@ -1,0 +1,250 @@
+"""Share the disk with programs that are starting: a load's reads go gentle while they fault.
+
+Why: a load keeps 32 reads of 16 MiB in flight, which is what the disk needs to run at its
+rate, and every other read then waits behind half a gigabyte. A program that is starting
+reads its libraries one page fault at a time, so it waits that long at each fault. Measured on
+the H200 machine's virtual disk (tests/gpu/probe_io.py, docs/performance.md), a cold
+`import torch` took:
+- 3.8-4.6 s alone;
+- over 30 s beside 32, 8 or 4 reads of 16 MiB, even at the idle I/O priority (the device
+  queue holds them all, so the scheduler has nothing to reorder);
+- 5.5 s beside 2 reads of 1 MiB at the idle priority, which still read 1.18 GB/s (1.94 GB/s
+  with 32 x 16 MiB alone).
+
+On a node that is new to a model, the engine starts beside the loading daemon. A rank's own
+`import torch` runs beside its early reads. Both are such programs: yielding costs the load
+about a third of the disk's rate for those seconds and gives the program its own pace back.
+
+How the load knows: `/proc/vmstat` counts major page faults system-wide (`pgmajfault`),
+including faults from other containers, since the counter is not namespaced. A load never
+faults: it reads with `preadv` into memory it holds. So faults mean a program is paging code
+or data in from storage. Swap-ins are faults too, and are subtracted (`pswpin`). At least
+FAULTS faults within WINDOW seconds make the load gentle: at most GENTLE_READERS direct reads
+in flight, each of at most GENTLE_READ bytes, at the idle I/O priority. It stays gentle until
+HOLD seconds pass with no such window. A reader that starts with `read()` calls and no faults
+(Python source files, for one) is not seen; its wait is shorter, because readahead brings
+whole files.
+
+Correctness does not depend on any of this: it changes only how many bytes are in flight and
+when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off. Where `/proc/vmstat` cannot be read, the load
+never goes gentle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+import time
+from collections import deque
+from typing import Any
+
+MiB = 1 << 20
+INTERVAL = 0.05  # seconds between samples of /proc/vmstat
+WINDOW = 0.5
+# One fault is enough. The counter moves when a fault starts, before its wait, and a program
+# stalled behind the full queue faults only every 0.3 s or so: on the H200, a threshold of 2
+# per window let a rank's import crawl beside full-rate reads for 5 s.
+FAULTS = 1
+HOLD = 1.0
+# A rank's early reads start gentle: its `import torch` faults from its first milliseconds if
+# the libraries are cold, and a fault already queued behind 32 x 16 MiB waits 0.3 s. They go
+# full after this long without a fault (libraries in the page cache).
+START_GENTLE = 0.5
+GENTLE_READERS = 2
+GENTLE_READ = 1 * MiB
+YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
+VMSTAT = "/proc/vmstat"
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
+_IOPRIO_CLASS_IDLE = 3
+_IOPRIO_WHO_PROCESS = 1  # with a thread id: that thread only
+_io = threading.local()  # whether this thread's reads are at the idle class now
+
+
+def _ioprio(value: int) -> bool:
+    if _IOPRIO_SET is None:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_IOPRIO_SET, _IOPRIO_WHO_PROCESS, threading.get_native_id(),
+                            value) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def idle_io_priority() -> bool:
+    """Put the calling thread's disk reads behind everyone else's (`ioprio_set(2)`, honoured
+    by the mq-deadline and BFQ schedulers); False where refused."""
+    ok = _ioprio(_IOPRIO_CLASS_IDLE << 13)
+    if ok:
+        _io.idle = True
+    return ok
+
+
+def normal_io_priority() -> bool:
+    """The calling thread's reads back at the default class (the one its CPU nice implies)."""
+    ok = _ioprio(0)
+    if ok:
+        _io.idle = False
+    return ok
+
+
+def thread_is_idle() -> bool:
+    return getattr(_io, "idle", False)
+
+
+def enabled(value: str | None = None) -> bool:
+    """`WEIGHTCACHE_LOAD_YIELD`: auto (default, yield while other programs fault) or off."""
+    text = (os.environ.get(YIELD_ENV, "") if value is None else value).strip().lower()
+    if text in {"", "auto", "on", "1", "true", "yes"}:
+        return True
+    if text in {"off", "0", "false", "no"}:
+        return False
+    raise ValueError(f"{YIELD_ENV}={text!r}: use auto or off")
+
+
+def read_faults(path: str = VMSTAT) -> int | None:
+    """Major page faults so far, system-wide, less swap-ins; None where unreadable."""
+    faults = swapins = None
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.startswith(b"pgmajfault "):
+                    faults = int(line.split()[1])
+                elif line.startswith(b"pswpin "):
+                    swapins = int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    if faults is None:
+        return None
+    return faults - (swapins or 0)
+
+
+class DiskShare:
+    """One load's (one process's) share of the disk: full, or gentle while programs fault.
+
+    `read_slot(want)` (a context manager) gives a reader the bytes it may read now, waiting
+    while the gentle readers are all busy; the monitor thread decides full or gentle from the
+    fault counter. `stop()` ends the monitor, and reads are full from then on.
+    """
+
+    def __init__(self, *, interval: float = INTERVAL, window: float = WINDOW,
+                 faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
+                 read: int = GENTLE_READ, source: str = VMSTAT,
+                 start_gentle: float = 0.0) -> None:
+        self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
+        self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
+        self.source = source
+        self.start_gentle = start_gentle  # gentle from start() until this long without faults
+        self.available = read_faults(source) is not None
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._gentle = False
+        self._since = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._local = threading.local()
+        self.gentle_seconds = 0.0
+        self.switches = 0
+        self.seen_faults = 0
+
+    # -- the monitor ----------------------------------------------------------------------
+    def start(self) -> DiskShare:
+        if self.available and self._thread is None:
+            if self.start_gentle > 0:
+                self._set(True, time.monotonic())
+            self._thread = threading.Thread(target=self._watch, name="diskshare", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._set(False, time.monotonic())
+        return self.stats()
+
+    def _watch(self) -> None:
+        samples: deque[tuple[float, int]] = deque()
+        # Gentle at the start counts as a fault START_GENTLE - HOLD seconds before it.
+        last_busy = time.monotonic() - self.hold + self.start_gentle if self.start_gentle \
+            else -1e9
+        while not self._stop.is_set():
+            now = time.monotonic()
+            count = read_faults(self.source)
+            if count is None:
+                break
+            samples.append((now, count))
+            while len(samples) > 1 and samples[0][0] < now - self.window:
+                samples.popleft()
+            recent = count - samples[0][1]
+            if recent >= self.faults:
+                last_busy = now
+                self.seen_faults = max(self.seen_faults, recent)
+            self._set(now - last_busy < self.hold, now)
+            self._stop.wait(self.interval)
+
+    def _set(self, gentle: bool, now: float) -> None:
+        with self._cond:
+            if gentle == self._gentle:
+                return
+            if self._gentle:
+                self.gentle_seconds += now - self._since
+            else:
+                self.switches += 1
+            self._gentle, self._since = gentle, now
+            self._cond.notify_all()
+
+    @property
+    def gentle(self) -> bool:
+        return self._gentle
+
+    # -- the readers ----------------------------------------------------------------------
+    def acquire(self, want: int) -> int:
+        """The bytes the caller may read now (all of `want` unless gentle); pair with release."""
+        with self._cond:
+            while self._gentle and self._busy >= self.readers:
+                self._cond.wait(self.interval)
+            gentle = self._gentle
+            self._busy += 1
+        self._priority(gentle)
+        return min(want, self.read) if gentle else want
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify()
+
+    def _priority(self, gentle: bool) -> None:
+        """The idle I/O class while gentle; back to the default class when full, unless the
+        thread was idle before (an early reader, `WEIGHTCACHE_LOAD_IO_PRIORITY=idle`)."""
+        local = self._local
+        raised = getattr(local, "raised", False)
+        if gentle and not raised and not thread_is_idle():
+            local.raised = idle_io_priority()
+        elif not gentle and raised:
+            normal_io_priority()
+            local.raised = False
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            gentle = self.gentle_seconds + (time.monotonic() - self._since if self._gentle
+                                            else 0.0)
+        return {"available": self.available, "gentle_seconds": round(gentle, 3),
+                "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults}
+
+
+def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0
+             ) -> tuple[DiskShare | None, bool]:
+    """The share a load uses: the one given (the caller started and stops it), else a new one
+    when yielding is on and the fault counter readable; (share, started here)."""
+    if disk is not None:
+        return disk, False
+    if not enabled():
+        return None, False
+    mine = DiskShare(start_gentle=start_gentle)
+    if not mine.available:
+        return None, False
+    return mine.start(), True
