@@ -125,9 +125,10 @@ def read_faults(path: str = VMSTAT) -> int | None:
 class DiskShare:
     """One load's (one process's) share of the disk: full, or gentle while programs fault.
 
-    `read_slot(want)` (a context manager) gives a reader the bytes it may read now, waiting
-    while the gentle readers are all busy; the monitor thread decides full or gentle from the
-    fault counter. `stop()` ends the monitor, and reads are full from then on.
+    `acquire(want)` gives a reader the bytes it may read now (all of them unless gentle),
+    waiting while the gentle readers are all busy, and `release()` gives the slot back; the
+    monitor thread decides full or gentle from the fault counter. `stop()` ends the monitor,
+    and reads are full from then on.
     """
 
     def __init__(self, *, interval: float = INTERVAL, window: float = WINDOW,
