@@ -189,3 +189,27 @@ def test_a_share_that_starts_gentle_goes_full_without_faults():
         assert _wait(lambda: not share.gentle, 10)
     finally:
         share.stop()
+
+
+def test_a_bad_knob_never_fails_a_load_from_disk(tmp_path, monkeypatch):
+    """An engine's disk fallback goes through the same loader: a knob that only paces reads
+    must not turn a load that would succeed into a crash."""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
+    lay = plan_layout(open_checkpoint(model), rules=parse_rules(None), tp_size=1, tp_rank=0)
+    monkeypatch.setenv(diskshare.YIELD_ENV, "sometimes")
+    with pytest.raises(ValueError, match=diskshare.YIELD_ENV):
+        diskshare.for_load()
+    flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    stats = load_entries(list(lay.entries), flat, threads=2)
+    assert stats.nbytes == lay.nbytes and stats.disk is not None  # taken as auto
+
+
+def test_ready_reports_the_share(tmp_path, sock_dir, preload):
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    p = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir))
+    disk = p.wait_ready(120)["rank_loads"][0]["loader"]["disk"]
+    assert disk["available"] is True
+    assert set(disk) == {"available", "gentle_seconds", "gentle_switches",
+                         "most_faults_in_window"}
+    # A rank's early reads start gentle: at least that switch, and its time, are counted.
+    assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0

@@ -85,3 +85,14 @@ def test_exit_2_for_bad_flags(ckpt, sock_dir, args):
 def test_exit_2_for_a_missing_model(sock_dir, tmp_path):
     out = preload("--model", str(tmp_path / "nope"), "--weight-cache-socket-dir", str(sock_dir))
     assert out.returncode == 2 and len(error_lines(out)) == 1
+
+
+def test_exit_2_for_a_bad_disk_share_knob(ckpt, sock_dir):
+    """WEIGHTCACHE_LOAD_YIELD is checked by every rank before it loads (a load elsewhere, an
+    engine's disk fallback, takes a bad value as auto and never fails on it)."""
+    out = subprocess.run([*weightcache_cmd(), "preload", "--exit-with-parent", "--model",
+                          str(ckpt), "--weight-cache-socket-dir", str(sock_dir)],
+                         capture_output=True, text=True, timeout=120, cwd="/",
+                         env={**os.environ, "WEIGHTCACHE_LOAD_YIELD": "sometimes"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "WEIGHTCACHE_LOAD_YIELD" in out.stderr

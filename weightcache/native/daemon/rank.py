@@ -31,9 +31,8 @@ from weightcache.contracts.vocabulary import (
     EXIT_SECURITY,
 )
 
-from ..shared import limits
+from ..shared import diskshare, limits
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from ..shared.diskshare import START_GENTLE, for_load
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
 from ..shared.security import (
@@ -184,6 +183,10 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
     Only a rank that reads whole files (tensor-parallel size 1): a tensor-parallel rank reads
     its share, which takes the layout (and torch) to compute. Nothing when the budget is 0.
     """
+    try:
+        diskshare.enabled()  # checked here for every rank: the fill takes a bad value as auto
+    except ValueError as exc:
+        raise RankRefused(str(exc)) from None
     if config.tp_size > 1:
         return None
     try:
@@ -193,7 +196,7 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
     if budget <= 0:
         return None
     try:  # the early reads go gentle while the import faults (diskshare.py); the fill too
-        disk, _ = for_load(start_gentle=START_GENTLE)
+        disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE)
     except ValueError as exc:
         raise RankRefused(str(exc)) from None
     return EarlyReads(ckpt.files, budget, disk=disk).start()

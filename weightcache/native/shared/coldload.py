@@ -574,7 +574,7 @@ def load_entries(
         mode = False
     idle = io_priority(os.environ.get(IO_PRIORITY_ENV))
     opened: dict[Path, int] = {}
-    disk, mine = for_load(disk or (early.disk if early is not None else None))
+    disk, mine = for_load(disk or (early.disk if early is not None else None), strict=False)
     try:
         sink = _open_files(entries, digest, opened, share)
         if early is not None:

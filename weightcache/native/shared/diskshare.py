@@ -237,13 +237,22 @@ class DiskShare:
                 "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults}
 
 
-def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0
-             ) -> tuple[DiskShare | None, bool]:
+def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
+             strict: bool = True) -> tuple[DiskShare | None, bool]:
     """The share a load uses: the one given (the caller started and stops it), else a new one
-    when yielding is on and the fault counter readable; (share, started here)."""
+    when yielding is on and the fault counter readable; (share, started here).
+
+    `strict=False` takes a bad `WEIGHTCACHE_LOAD_YIELD` as auto: an engine loading from disk
+    must never fail on a knob that only paces its reads (the daemon refuses it at start)."""
     if disk is not None:
         return disk, False
-    if not enabled():
+    try:
+        on = enabled()
+    except ValueError:
+        if strict:
+            raise
+        on = True
+    if not on:
         return None, False
     mine = DiskShare(start_gentle=start_gentle)
     if not mine.available:
