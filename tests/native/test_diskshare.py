@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightcache.native.shared import diskshare
+from weightcache.native.shared import diskshare, loadenv
 from weightcache.native.shared.checkpoint import open_checkpoint
 from weightcache.native.shared.coldload import drop_page_cache, load_entries
 from weightcache.native.shared.diskshare import DiskShare, read_faults
@@ -191,17 +191,30 @@ def test_a_share_that_starts_gentle_goes_full_without_faults():
         share.stop()
 
 
-def test_a_bad_knob_never_fails_a_load_from_disk(tmp_path, monkeypatch):
-    """An engine's disk fallback goes through the same loader: a knob that only paces reads
-    must not turn a load that would succeed into a crash."""
+BAD_KNOBS = {
+    loadenv.THREADS_ENV: "many",
+    loadenv.CHUNK_ENV: "0",
+    loadenv.DIRECT_ENV: "sometimes",
+    loadenv.IO_PRIORITY_ENV: "high",
+    diskshare.YIELD_ENV: "sometimes",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_KNOBS))
+def test_a_bad_knob_never_fails_a_load_from_disk(name, tmp_path, monkeypatch):
+    """An engine's disk fallback goes through the same loader: a knob that only tunes reads
+    must not turn a load that would succeed into a crash. The check a rank runs names it."""
     model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
-    lay = plan_layout(open_checkpoint(model), rules=parse_rules(None), tp_size=1, tp_rank=0)
-    monkeypatch.setenv(diskshare.YIELD_ENV, "sometimes")
-    with pytest.raises(ValueError, match=diskshare.YIELD_ENV):
-        diskshare.for_load()
+    ckpt = open_checkpoint(model)
+    lay = plan_layout(ckpt, rules=parse_rules(None), tp_size=1, tp_rank=0)
+    want = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    load_entries(list(lay.entries), want, digest=list(ckpt.files))
+    monkeypatch.setenv(name, BAD_KNOBS[name])
+    with pytest.raises(ValueError, match=name):
+        loadenv.check()
     flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
-    stats = load_entries(list(lay.entries), flat, threads=2)
-    assert stats.nbytes == lay.nbytes and stats.disk is not None  # taken as auto
+    stats = load_entries(list(lay.entries), flat, digest=list(ckpt.files))  # the defaults
+    assert torch.equal(flat, want) and stats.nbytes == lay.nbytes
 
 
 def test_ready_reports_the_share(tmp_path, sock_dir, preload):

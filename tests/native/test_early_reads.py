@@ -188,7 +188,7 @@ def test_ranges_the_page_cache_holds_are_left_to_the_fill(tmp_path):
 
 
 def test_the_fill_reads_at_the_idle_io_priority_when_asked(model, monkeypatch):
-    from weightcache.native.shared.coldload import IO_PRIORITY_ENV, io_priority
+    from weightcache.native.shared.loadenv import IO_PRIORITY_ENV, io_priority
 
     assert io_priority(None) is False and io_priority("idle") is True
     with pytest.raises(ValueError, match=IO_PRIORITY_ENV):

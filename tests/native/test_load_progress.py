@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from weightcache.native.daemon.config import BIND_DELAY_ENV
 from weightcache.native.daemon.progress import Counter, ProgressPrinter, describe, eta_seconds
 from weightcache.native.shared.checkpoint import open_checkpoint, tied_aliases
-from weightcache.native.shared.coldload import direct_mode, drop_page_cache, load_entries
+from weightcache.native.shared.coldload import drop_page_cache, load_entries
+from weightcache.native.shared.loadenv import direct_mode
 from weightcache.native.shared.loader import load_into_arena, plan_layout, tensors_from_table
 from weightcache.native.shared.residency import resident, resident_pages
 from weightcache.native.shared.sharding import parse_rules

@@ -87,12 +87,17 @@ def test_exit_2_for_a_missing_model(sock_dir, tmp_path):
     assert out.returncode == 2 and len(error_lines(out)) == 1
 
 
-def test_exit_2_for_a_bad_disk_share_knob(ckpt, sock_dir):
-    """WEIGHTCACHE_LOAD_YIELD is checked by every rank before it loads (a load elsewhere, an
-    engine's disk fallback, takes a bad value as auto and never fails on it)."""
+@pytest.mark.parametrize("name,value", [
+    ("WEIGHTCACHE_LOAD_YIELD", "sometimes"), ("WEIGHTCACHE_LOAD_THREADS", "0"),
+    ("WEIGHTCACHE_LOAD_CHUNK_MIB", "big"), ("WEIGHTCACHE_LOAD_DIRECT", "maybe"),
+    ("WEIGHTCACHE_LOAD_IO_PRIORITY", "high"),
+])
+def test_exit_2_for_a_bad_load_knob(ckpt, sock_dir, name, value):
+    """The load's knobs are checked by every rank before it loads (any other load, an
+    engine's disk fallback, takes a bad value as its default and never fails on it)."""
     out = subprocess.run([*weightcache_cmd(), "preload", "--exit-with-parent", "--model",
                           str(ckpt), "--weight-cache-socket-dir", str(sock_dir)],
                          capture_output=True, text=True, timeout=120, cwd="/",
-                         env={**os.environ, "WEIGHTCACHE_LOAD_YIELD": "sometimes"})
+                         env={**os.environ, name: value})
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "WEIGHTCACHE_LOAD_YIELD" in out.stderr
+    assert name in out.stderr

@@ -31,7 +31,7 @@ from weightcache.contracts.vocabulary import (
     EXIT_SECURITY,
 )
 
-from ..shared import diskshare, limits
+from ..shared import diskshare, limits, loadenv
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
@@ -184,7 +184,7 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
     its share, which takes the layout (and torch) to compute. Nothing when the budget is 0.
     """
     try:
-        diskshare.enabled()  # checked here for every rank: the fill takes a bad value as auto
+        loadenv.check()  # every rank, before it loads: the fill takes a bad value as its default
     except ValueError as exc:
         raise RankRefused(str(exc)) from None
     if config.tp_size > 1:

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import loadenv
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
 from .diskshare import DiskShare, for_load, idle_io_priority
 from .earlyread import (
@@ -68,7 +69,7 @@ MiB = 1 << 20
 # 1.72 GB/s, 16 x 32 MiB 1.77, 32 x 16 MiB 1.85, 32 x 8 MiB 1.56; warm, in the daemon: 16 x 16
 # MiB 19.8 GB/s, 32 x 8 MiB 14.1): many threads with 16 MiB reads, each pinning 2 x chunk.
 DEFAULT_THREADS = 32
-# The read size (earlyread.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
+# The read size (loadenv.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
 # cache still holds it (a multiple of the content chunk: 4 MiB).
@@ -508,32 +509,6 @@ def _job_nbytes(job: Job) -> int:
     return sum(p.nbytes for p in job.pieces)
 
 
-IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
-
-
-def io_priority(value: str | None) -> bool:
-    """`WEIGHTCACHE_LOAD_IO_PRIORITY`: normal (default) or idle (the fill's reads go behind
-    every other process's, e.g. an engine importing its libraries from the same cold disk)."""
-    text = (value or "normal").strip().lower()
-    if text in {"normal", "idle"}:
-        return text == "idle"
-    raise ValueError(f"{IO_PRIORITY_ENV}={value!r}: use normal or idle")
-
-
-def direct_mode(value: str | bool | None) -> bool | str:
-    """`WEIGHTCACHE_LOAD_DIRECT`: auto (default), 1/true/yes (always), 0/false/no (never)."""
-    if isinstance(value, bool):
-        return value
-    text = (value or "auto").strip().lower()
-    if text in {"1", "true", "yes", "on"}:
-        return True
-    if text in {"0", "false", "no", "off"}:
-        return False
-    if text == "auto":
-        return "auto"
-    raise ValueError(f"WEIGHTCACHE_LOAD_DIRECT={value!r}: use auto, 1 or 0")
-
-
 def load_entries(
     entries: list[Any],
     flat: torch.Tensor,
@@ -549,9 +524,10 @@ def load_entries(
 ) -> LoadStats:
     """Fill the arena `flat` (uint8, 1-D; CUDA or CPU) with loader `Entry` objects.
 
-    Tuning comes from the arguments or `WEIGHTCACHE_LOAD_THREADS`, `WEIGHTCACHE_LOAD_CHUNK_MIB`
-    and `WEIGHTCACHE_LOAD_DIRECT`; `progress(n)` is called (from the loader's threads) with
-    the arena bytes of each finished read as they are queued to the device. With `digest`
+    Tuning comes from the arguments or `WEIGHTCACHE_LOAD_THREADS`, `WEIGHTCACHE_LOAD_CHUNK_MIB`,
+    `WEIGHTCACHE_LOAD_DIRECT` and `WEIGHTCACHE_LOAD_IO_PRIORITY` (loadenv.py); `progress(n)`
+    is called (from the loader's threads) with the arena bytes of each finished read as they
+    are queued to the device. With `digest`
     (the checkpoint's files), those files are read whole and `stats.record` is their content
     record, from the same pass; with `share`, only the chunks the entries read (a
     tensor-parallel rank's share, `share_chunks`). With `early` (whole files only), the jobs
@@ -566,13 +542,15 @@ def load_entries(
         raise ValueError("the arena must be a flat uint8 tensor")
     # A CPU arena has no copy engine to keep busy: a few readers per core are enough.
     default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * (os.cpu_count() or 2))
-    threads = threads or int(os.environ.get("WEIGHTCACHE_LOAD_THREADS", default))
+    # The knobs never fail a load (an engine's disk fallback): a bad one is its default here,
+    # and a daemon's rank refused it before loading (loadenv.py).
+    threads = threads or loadenv.threads(default)
     chunk = chunk or load_chunk()  # the early reads cut their jobs with the same size
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
-    mode = direct_mode(os.environ.get("WEIGHTCACHE_LOAD_DIRECT") if direct is None else direct)
+    mode = loadenv.direct() if direct is None else loadenv.direct_mode(direct)
     if not hasattr(os, "O_DIRECT"):
         mode = False
-    idle = io_priority(os.environ.get(IO_PRIORITY_ENV))
+    idle = loadenv.idle()
     opened: dict[Path, int] = {}
     disk, mine = for_load(disk or (early.disk if early is not None else None), strict=False)
     try:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from . import loadenv
 from .content import CHUNK_BYTES, FileIdentity
 from .diskshare import DiskShare, idle_io_priority
 from .residency import resident
@@ -55,7 +56,6 @@ PAGE = 4096
 # BUFFERED_THREADS keep reading.
 DEFAULT_THREADS = 32
 BUFFERED_THREADS = 4
-DEFAULT_CHUNK = 16 * MiB
 MAX_BUDGET = 8 << 30  # about what the disk reads while torch starts (4-5 s at 1.6-2 GB/s)
 MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fill's readers do
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
@@ -79,9 +79,8 @@ def cover_spans(size: int, span: int) -> list[tuple[int, int]]:
 
 
 def load_chunk() -> int:
-    """The fill's read size (`WEIGHTCACHE_LOAD_CHUNK_MIB`), page-aligned."""
-    chunk = int(os.environ.get("WEIGHTCACHE_LOAD_CHUNK_MIB", DEFAULT_CHUNK // MiB)) * MiB
-    return max(4 * PAGE, chunk - chunk % PAGE)
+    """The fill's read size (`WEIGHTCACHE_LOAD_CHUNK_MIB`, loadenv.py), page-aligned."""
+    return loadenv.chunk()
 
 
 def default_budget(local_ranks: int = 1) -> int:

@@ -1,0 +1,107 @@
+"""The load's knobs in the environment, parsed in one place (torch-free).
+
+Two readers, two rules:
+- a daemon's rank calls `check()` before it loads, and refuses a bad value with a line that names
+  it (exit 2), so an operator's typo is seen at once;
+- every load reads the knobs through the getters here, which take a bad value as the default. The
+  same loader serves an engine's fallback to the disk, and an engine that would have loaded from
+  disk must never fail on a knob that only tunes how it reads.
+
+The early reads' budget (`earlyread.BUDGET_ENV`) is a rank's alone and stays with them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+from . import diskshare
+
+MiB = 1 << 20
+PAGE = 4096
+DEFAULT_CHUNK = 16 * MiB  # the read size: a power of two (torch's pinned-memory size classes)
+THREADS_ENV = "WEIGHTCACHE_LOAD_THREADS"
+CHUNK_ENV = "WEIGHTCACHE_LOAD_CHUNK_MIB"
+DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
+IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
+
+T = TypeVar("T")
+
+
+def direct_mode(value: str | bool | None) -> bool | str:
+    """`WEIGHTCACHE_LOAD_DIRECT`: auto (default), 1/true/yes (always), 0/false/no (never)."""
+    if isinstance(value, bool):
+        return value
+    text = (value or "auto").strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    if text == "auto":
+        return "auto"
+    raise ValueError(f"{DIRECT_ENV}={value!r}: use auto, 1 or 0")
+
+
+def io_priority(value: str | None) -> bool:
+    """`WEIGHTCACHE_LOAD_IO_PRIORITY`: normal (default) or idle (all of the fill's reads go
+    behind every other process's, not only its gentle ones: diskshare.py)."""
+    text = (value or "normal").strip().lower()
+    if text in {"normal", "idle"}:
+        return text == "idle"
+    raise ValueError(f"{IO_PRIORITY_ENV}={value!r}: use normal or idle")
+
+
+def _positive(name: str, value: str | None, default: int) -> int:
+    if value is None or not value.strip():
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: use a whole number >= 1") from None
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: use a whole number >= 1")
+    return number
+
+
+def _chunk(value: str | None) -> int:
+    chunk = _positive(CHUNK_ENV, value, DEFAULT_CHUNK // MiB) * MiB
+    return max(4 * PAGE, chunk - chunk % PAGE)
+
+
+def check() -> None:
+    """Every knob as the loader will read it; ValueError naming the first bad one."""
+    _positive(THREADS_ENV, os.environ.get(THREADS_ENV), 1)
+    _chunk(os.environ.get(CHUNK_ENV))
+    direct_mode(os.environ.get(DIRECT_ENV))
+    io_priority(os.environ.get(IO_PRIORITY_ENV))
+    diskshare.enabled()
+
+
+def _lenient(parse: Callable[[], T], default: T) -> T:
+    try:
+        return parse()
+    except ValueError:
+        return default
+
+
+def threads(default: int) -> int:
+    """`WEIGHTCACHE_LOAD_THREADS`, else `default`."""
+    return _lenient(lambda: _positive(THREADS_ENV, os.environ.get(THREADS_ENV), default),
+                    default)
+
+
+def chunk() -> int:
+    """The fill's read size (`WEIGHTCACHE_LOAD_CHUNK_MIB`), page-aligned. The early reads cut
+    their jobs with it too, so both must read it the same way."""
+    return _lenient(lambda: _chunk(os.environ.get(CHUNK_ENV)), DEFAULT_CHUNK)
+
+
+def direct() -> bool | str:
+    """`WEIGHTCACHE_LOAD_DIRECT`, else auto."""
+    return _lenient(lambda: direct_mode(os.environ.get(DIRECT_ENV)), "auto")
+
+
+def idle() -> bool:
+    """`WEIGHTCACHE_LOAD_IO_PRIORITY`, else normal."""
+    return _lenient(lambda: io_priority(os.environ.get(IO_PRIORITY_ENV)), False)
