@@ -88,13 +88,7 @@ def default_budget(local_ranks: int = 1) -> int:
     node's ranks, at most MAX_BUDGET each."""
     text = os.environ.get(BUDGET_ENV, "").strip().lower()
     if text not in {"", "auto"}:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"{BUDGET_ENV}={text!r}: use auto or a number of MiB") from None
-        if value < 0:
-            raise ValueError(f"{BUDGET_ENV}={text!r}: use auto or a number of MiB >= 0")
-        return value * MiB
+        return loadenv.whole_number(BUDGET_ENV, text, 0, "auto or a number of MiB") * MiB
     return min(MAX_BUDGET, _available() // (4 * max(1, local_ranks)))
 
 

@@ -52,16 +52,21 @@ def io_priority(value: str | None) -> bool:
     raise ValueError(f"{IO_PRIORITY_ENV}={value!r}: use normal or idle")
 
 
-def _positive(name: str, value: str | None, default: int) -> int:
-    if value is None or not value.strip():
-        return default
+def whole_number(name: str, value: str, minimum: int, hint: str = "a whole number") -> int:
+    """`value` as an int of at least `minimum`; ValueError naming the knob otherwise."""
     try:
         number = int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: use a whole number >= 1") from None
-    if number < 1:
-        raise ValueError(f"{name}={value!r}: use a whole number >= 1")
+        raise ValueError(f"{name}={value!r}: use {hint} >= {minimum}") from None
+    if number < minimum:
+        raise ValueError(f"{name}={value!r}: use {hint} >= {minimum}")
     return number
+
+
+def _positive(name: str, value: str | None, default: int) -> int:
+    if value is None or not value.strip():
+        return default
+    return whole_number(name, value, 1)
 
 
 def _chunk(value: str | None) -> int:
