@@ -76,10 +76,10 @@ def test_the_fault_counter_is_the_kernels():
 
 
 def test_env_values():
-    assert diskshare.enabled("") and diskshare.enabled("auto")
-    assert not diskshare.enabled("off") and not diskshare.enabled("0")
+    assert loadenv.yield_mode(None) and loadenv.yield_mode("") and loadenv.yield_mode("auto")
+    assert not loadenv.yield_mode("off") and not loadenv.yield_mode("0")
     with pytest.raises(ValueError, match="WEIGHTCACHE_LOAD_YIELD"):
-        diskshare.enabled("sometimes")
+        loadenv.yield_mode("sometimes")
 
 
 def test_faults_make_reads_gentle_and_quiet_makes_them_full(cold_file):
@@ -196,7 +196,7 @@ BAD_KNOBS = {
     loadenv.CHUNK_ENV: "0",
     loadenv.DIRECT_ENV: "sometimes",
     loadenv.IO_PRIORITY_ENV: "high",
-    diskshare.YIELD_ENV: "sometimes",
+    loadenv.YIELD_ENV: "sometimes",
 }
 
 

@@ -195,10 +195,8 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
         raise RankRefused(str(exc)) from None
     if budget <= 0:
         return None
-    try:  # the early reads go gentle while the import faults (diskshare.py); the fill too
-        disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE)
-    except ValueError as exc:
-        raise RankRefused(str(exc)) from None
+    # The early reads go gentle while the import faults (diskshare.py); the fill too.
+    disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE)
     return EarlyReads(ckpt.files, budget, disk=disk).start()
 
 

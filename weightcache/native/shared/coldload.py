@@ -58,7 +58,6 @@ from .earlyread import (
     EarlyReads,
     cover_spans,
     grid_span,
-    load_chunk,
     read_fully,
     span_of,
 )
@@ -292,6 +291,7 @@ class _Reader:
         self.read_bytes = 0
         self.cached_bytes = 0
         self.direct_bytes = 0
+        self.early_bytes = 0  # copied from the early reads (`stage`), not read here
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
         self.hash_seconds = 0.0
@@ -409,6 +409,7 @@ class _Reader:
                     hash_piece(memoryview(out[at : at + len(piece)]), offset + at)
                     self.hash_seconds += time.perf_counter() - t0
         self.cached_bytes += len(data)
+        self.early_bytes += len(data)
         return buf
 
     def on_stream(self) -> contextlib.AbstractContextManager:
@@ -452,13 +453,12 @@ def copy_entry(raw: torch.Tensor, entry: Any, dst: torch.Tensor) -> None:
 
 
 def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | None,
-             early: EarlyReads | None = None) -> int:
-    """Run one job; the bytes it took from the early reads."""
+             early: EarlyReads | None = None) -> None:
     if job.entry is None:
         if job.start == job.end:  # an empty file: its one chunk is empty
             if job.digest and sink is not None:
                 sink.add(job.path, 0, b"")
-            return 0
+            return
         hash_piece = None
         if job.digest and sink is not None:
             path = job.path
@@ -468,10 +468,8 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
 
         found = early.take(job.path, job.start, job.end) if early is not None and job.digest \
             else None
-        took = 0
         if found is not None:  # read while the rank started: a memory copy, no disk
             buf, skip = reader.stage(found, hash_piece, job.start), 0
-            took = len(found)
             del found
         else:
             buf, skip = reader.read(job.path, job.start, job.end, hash_piece)
@@ -481,7 +479,7 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
                 dst = flat[piece.arena_offset : piece.arena_offset + piece.nbytes]
                 dst.copy_(buf[at : at + piece.nbytes], non_blocking=True)
         reader.done(buf)
-        return took
+        return
     entry = job.entry
     src = entry.source
     with reader.on_stream():
@@ -499,7 +497,6 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
     with reader.on_stream():
         copy_entry(staged, entry, flat[entry.offset : entry.offset + entry.nbytes])
         del staged
-    return 0
 
 
 def _job_nbytes(job: Job) -> int:
@@ -545,14 +542,14 @@ def load_entries(
     # The knobs never fail a load (an engine's disk fallback): a bad one is its default here,
     # and a daemon's rank refused it before loading (loadenv.py).
     threads = threads or loadenv.threads(default)
-    chunk = chunk or load_chunk()  # the early reads cut their jobs with the same size
+    chunk = chunk or loadenv.chunk()  # the early reads cut their jobs with the same size
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
     mode = loadenv.direct() if direct is None else loadenv.direct_mode(direct)
     if not hasattr(os, "O_DIRECT"):
         mode = False
     idle = loadenv.idle()
     opened: dict[Path, int] = {}
-    disk, mine = for_load(disk or (early.disk if early is not None else None), strict=False)
+    disk, mine = for_load(disk or (early.disk if early is not None else None))
     try:
         sink = _open_files(entries, digest, opened, share)
         if early is not None:
@@ -632,7 +629,6 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
         work.put(None)
     errors: list[BaseException] = []
     readers: list[_Reader] = []
-    taken: list[int] = []
     lock = threading.Lock()
     device = flat.device
     cpu = threading.Semaphore(cpu_slots(count))
@@ -645,18 +641,15 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
             if idle:
                 idle_io_priority()
             reader = _Reader(device, chunk, mode, opened, cpu, disk)
-            took = 0
             while True:
                 job = work.get()
                 if job is None or errors:
                     break
-                took += _run_job(reader, job, flat, sink, early)
+                _run_job(reader, job, flat, sink, early)
                 if progress is not None:
                     progress(_job_nbytes(job))
             if reader.stream is not None:
                 reader.stream.synchronize()
-            with lock:
-                taken.append(took)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -687,7 +680,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     stats.read_seconds = sum(r.read_seconds for r in readers)
     stats.wait_seconds = sum(r.wait_seconds for r in readers)
     stats.hash_seconds = sum(r.hash_seconds for r in readers)
-    stats.early_bytes = sum(taken)
+    stats.early_bytes = sum(r.early_bytes for r in readers)
     if errors:
         raise errors[0]
     if sink is not None:

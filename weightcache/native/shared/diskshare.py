@@ -26,19 +26,20 @@ HOLD seconds pass with no such window. A reader that starts with `read()` calls 
 whole files.
 
 Correctness does not depend on any of this: it changes only how many bytes are in flight and
-when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off. Where `/proc/vmstat` cannot be read, the load
-never goes gentle.
+when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off (loadenv.py). Where `/proc/vmstat` cannot be
+read, the load never goes gentle.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 import time
 from collections import deque
 from typing import Any
+
+from . import loadenv
 
 MiB = 1 << 20
 INTERVAL = 0.05  # seconds between samples of /proc/vmstat
@@ -54,7 +55,6 @@ HOLD = 1.0
 START_GENTLE = 0.5
 GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
-YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
 VMSTAT = "/proc/vmstat"
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
@@ -94,15 +94,6 @@ def normal_io_priority() -> bool:
 def thread_is_idle() -> bool:
     return getattr(_io, "idle", False)
 
-
-def enabled(value: str | None = None) -> bool:
-    """`WEIGHTCACHE_LOAD_YIELD`: auto (default, yield while other programs fault) or off."""
-    text = (os.environ.get(YIELD_ENV, "") if value is None else value).strip().lower()
-    if text in {"", "auto", "on", "1", "true", "yes"}:
-        return True
-    if text in {"off", "0", "false", "no"}:
-        return False
-    raise ValueError(f"{YIELD_ENV}={text!r}: use auto or off")
 
 
 def read_faults(path: str = VMSTAT) -> int | None:
@@ -237,22 +228,14 @@ class DiskShare:
                 "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults}
 
 
-def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
-             strict: bool = True) -> tuple[DiskShare | None, bool]:
+def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0
+             ) -> tuple[DiskShare | None, bool]:
     """The share a load uses: the one given (the caller started and stops it), else a new one
-    when yielding is on and the fault counter readable; (share, started here).
-
-    `strict=False` takes a bad `WEIGHTCACHE_LOAD_YIELD` as auto: an engine loading from disk
-    must never fail on a knob that only paces its reads (the daemon refuses it at start)."""
+    when yielding is on (`WEIGHTCACHE_LOAD_YIELD`, loadenv.py) and the fault counter readable;
+    (share, started here)."""
     if disk is not None:
         return disk, False
-    try:
-        on = enabled()
-    except ValueError:
-        if strict:
-            raise
-        on = True
-    if not on:
+    if not loadenv.yielding():
         return None, False
     mine = DiskShare(start_gentle=start_gentle)
     if not mine.available:

@@ -49,7 +49,7 @@ from .diskshare import DiskShare, idle_io_priority
 from .residency import resident
 
 MiB = 1 << 20
-PAGE = 4096
+PAGE = loadenv.PAGE
 # O_DIRECT reads wait on the disk, not on a CPU: as many in flight as the fill keeps (32 x
 # 16 MiB ran at 1.85 GB/s on the H200's virtual disk, 8 at 1.75). Where a file system refuses
 # O_DIRECT, every read is a kernel memory copy that wants a CPU beside the import: then only
@@ -76,11 +76,6 @@ def cover_spans(size: int, span: int) -> list[tuple[int, int]]:
     empty job for an empty file). The fill (`coldload._cover`) and the early reads cut files
     with this one function, so an early job is exactly a fill job."""
     return [(start, min(size, start + span)) for start in range(0, max(size, 1), span)]
-
-
-def load_chunk() -> int:
-    """The fill's read size (`WEIGHTCACHE_LOAD_CHUNK_MIB`, loadenv.py), page-aligned."""
-    return loadenv.chunk()
 
 
 def default_budget(local_ranks: int = 1) -> int:
@@ -121,7 +116,7 @@ class EarlyReads:
         # The disk's share (diskshare.py): the early reads and then the fill yield to the
         # rank's own import and to any other program starting; close() stops it.
         self.disk = disk
-        self.span = grid_span(span_of(chunk or load_chunk()))
+        self.span = grid_span(span_of(chunk or loadenv.chunk()))  # the fill's jobs
         self.threads = max(1, threads or DEFAULT_THREADS)
         self.direct = direct if hasattr(os, "O_DIRECT") else False
         self.identities: dict[Path, FileIdentity] = {}

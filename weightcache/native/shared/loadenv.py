@@ -16,8 +16,6 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from . import diskshare
-
 MiB = 1 << 20
 PAGE = 4096
 DEFAULT_CHUNK = 16 * MiB  # the read size: a power of two (torch's pinned-memory size classes)
@@ -25,6 +23,7 @@ THREADS_ENV = "WEIGHTCACHE_LOAD_THREADS"
 CHUNK_ENV = "WEIGHTCACHE_LOAD_CHUNK_MIB"
 DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
 IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
+YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
 
 T = TypeVar("T")
 
@@ -50,6 +49,17 @@ def io_priority(value: str | None) -> bool:
     if text in {"normal", "idle"}:
         return text == "idle"
     raise ValueError(f"{IO_PRIORITY_ENV}={value!r}: use normal or idle")
+
+
+def yield_mode(value: str | None) -> bool:
+    """`WEIGHTCACHE_LOAD_YIELD`: auto (default: the load yields the disk while other programs
+    fault pages in, diskshare.py) or off."""
+    text = (value or "").strip().lower() or "auto"
+    if text in {"auto", "on", "1", "true", "yes"}:
+        return True
+    if text in {"off", "0", "false", "no"}:
+        return False
+    raise ValueError(f"{YIELD_ENV}={value!r}: use auto or off")
 
 
 def whole_number(name: str, value: str, minimum: int, hint: str = "a whole number") -> int:
@@ -80,7 +90,7 @@ def check() -> None:
     _chunk(os.environ.get(CHUNK_ENV))
     direct_mode(os.environ.get(DIRECT_ENV))
     io_priority(os.environ.get(IO_PRIORITY_ENV))
-    diskshare.enabled()
+    yield_mode(os.environ.get(YIELD_ENV))
 
 
 def _lenient(parse: Callable[[], T], default: T) -> T:
@@ -110,3 +120,8 @@ def direct() -> bool | str:
 def idle() -> bool:
     """`WEIGHTCACHE_LOAD_IO_PRIORITY`, else normal."""
     return _lenient(lambda: io_priority(os.environ.get(IO_PRIORITY_ENV)), False)
+
+
+def yielding() -> bool:
+    """`WEIGHTCACHE_LOAD_YIELD`, else auto."""
+    return _lenient(lambda: yield_mode(os.environ.get(YIELD_ENV)), True)
