@@ -146,7 +146,12 @@ def run(config: RankConfig) -> int:
 
 
 def read_input(config: RankConfig) -> tuple[Checkpoint, list[ShardRule]]:
-    """The checkpoint's headers and the shard rules (exit 2 if either is bad)."""
+    """The checkpoint's headers, the shard rules and the load's knobs (exit 2 if any is bad;
+    the fill itself takes a bad knob as its default, loadenv.py)."""
+    try:
+        loadenv.check()
+    except ValueError as exc:
+        raise RankRefused(str(exc)) from None
     try:
         return open_checkpoint(config.model), parse_rules(config.shard_rules)
     except (CheckpointError, ShardingError) as exc:
@@ -178,15 +183,12 @@ def claim_socket(config: RankConfig) -> _Held:
 
 
 def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None:
-    """Read and digest the first files while torch and the device start (earlyread.py).
+    """Read the first files while torch and the device start (earlyread.py; the fill
+    digests them).
 
     Only a rank that reads whole files (tensor-parallel size 1): a tensor-parallel rank reads
     its share, which takes the layout (and torch) to compute. Nothing when the budget is 0.
     """
-    try:
-        loadenv.check()  # every rank, before it loads: the fill takes a bad value as its default
-    except ValueError as exc:
-        raise RankRefused(str(exc)) from None
     if config.tp_size > 1:
         return None
     try:
