@@ -131,3 +131,46 @@ def test_no_claim_matches_bytes_pushed_without_a_checkpoint(tmp_path):
     f.write_bytes(os.urandom(content.CHUNK_BYTES * 2))
     assert content.verify_claim({}, content.sample_claim([f])) is not None
     assert content.verify_claim({}, {"chunk": content.CHUNK_BYTES, "files": {}}) is not None
+
+
+def test_claim_digests_each_sampled_chunk_in_order_also_in_a_forked_child(tmp_path):
+    """The claim reads its chunks on a pool of threads kept for the process: every sample is
+    the digest of exactly its own chunk, and a forked child (which has none of its parent's
+    threads) claims as well instead of waiting forever on the parent's pool."""
+    files = []
+    for i in range(4):
+        f = tmp_path / f"model-{i}.safetensors"
+        f.write_bytes(os.urandom(content.CHUNK_BYTES * 5 + 1234 * i))
+        files.append(f)
+    claim = content.sample_claim(files, rng=random.Random(7))
+    assert sum(len(e["samples"]) for e in claim["files"].values()) >= content.SAMPLES_TOTAL
+    for f in files:
+        data = f.read_bytes()
+        for index, digest in claim["files"][f.name]["samples"]:
+            chunk = data[index * content.CHUNK_BYTES : (index + 1) * content.CHUNK_BYTES]
+            assert digest == content.chunk_digest(chunk)
+    assert content.verify_claim(content.digest_files(files), claim) is None
+    # A claim of 2 chunks after the parent's pool went idle: the pool would hand its tasks to
+    # threads that do not exist in the child.
+    small = tmp_path / "small.safetensors"
+    small.write_bytes(os.urandom(content.CHUNK_BYTES + 1))
+    small_claim = content.sample_claim([small], rng=random.Random(7))
+    assert len(small_claim["files"][small.name]["samples"]) == 2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: same seed, same claim (a hang fails on the timeout)
+        os.close(read)
+        ok = content.sample_claim([small], rng=random.Random(7)) == small_claim
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    import select
+    ready, _, _ = select.select([read], [], [], 20)
+    try:
+        assert ready, "the forked child's claim did not finish"
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)

@@ -246,3 +246,26 @@ def test_a_tensor_parallel_rank_digests_its_share_and_claims_sample_within_it(tm
         assert "differs" in (content.verify_claim(record, wrong) or "")
     # Together the ranks cover every chunk that holds tensor bytes.
     assert seen
+
+
+def test_a_load_is_warm_only_when_the_page_cache_holds_every_file_whole(tmp_path):
+    """A CUDA fill sets one reader per core when the page cache holds every file it opened
+    (no disk to keep busy), 32 otherwise: the answer comes from the kernel, not from a guess."""
+    from weightcache.native.shared.coldload import _all_resident, drop_page_cache
+
+    files = [tmp_path / f"f{i}" for i in range(2)]
+    for f in files:
+        f.write_bytes(os.urandom(8 << 20))
+    opened = {f: os.open(f, os.O_RDONLY) for f in files}
+    try:
+        for f in files:
+            f.read_bytes()
+        assert _all_resident(opened)
+        drop_page_cache([files[1]], everything=False)
+        assert not _all_resident(opened)
+        files[1].read_bytes()
+        assert _all_resident(opened)
+        assert not _all_resident({})
+    finally:
+        for fd in opened.values():
+            os.close(fd)

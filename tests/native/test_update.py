@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -243,6 +244,10 @@ def test_abort_after_write_rolls_back_at_the_same_addresses(daemon, ckpt, ckpt_b
                                  "model": str(ckpt_b)})
             staged = proto.recv_frame(c)[0]
             assert staged["rollback"] is True and staged["rollback_why"] == ""
+            # Where staging's time went; the rollback copy is taken beside the read.
+            phases = staged["phases"]
+            assert {"allocate_seconds", "read_seconds", "rollback_seconds"} <= set(phases)
+            assert phases["read_gb_per_s"] > 0 and phases["rollback_seconds"] > 0
             update = staged["update"]
             assert _call(c, "update_pause", update=update)["paused"] == 1
             assert _call(c, "update_write", update=update)["ok"]
@@ -392,7 +397,11 @@ def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock
     hold two revisions at once. After copying, the client asks the daemon again: the copy is
     whole only if the generation `get_state` served is still served and no write is under way
     (`_check_unchanged`, on the real daemon's `hello`)."""
-    from weightcache.native.engine.attach import CacheProtocolError, _check_unchanged
+    from weightcache.native.engine.attach import (
+        CacheProtocolError,
+        _check_unchanged,
+        _check_unchanged_after_copy,
+    )
 
     res = attach(ckpt, socket_dir=sock_dir, mode="copy", fallback=False)
     assert res.source == "cache" and res.generation == 1
@@ -409,6 +418,20 @@ def test_a_copy_that_overlapped_an_update_is_not_kept(daemon, ckpt, ckpt_b, sock
         with pytest.raises(CacheProtocolError, match="generation 1 -> 2"):
             _check_unchanged(engine, 1)  # the copy began before the write: torn
         _check_unchanged(engine, 2)
+        # What a copy-mode attach runs: the question is sent, the mapping released while the
+        # daemon answers (once), then the answer read; on a dead connection, asked anew.
+        released: list[int] = []
+        kw = dict(connect_timeout_s=5.0, state_timeout_s=5.0,
+                  meanwhile=lambda: released.append(1))
+        _check_unchanged_after_copy(engine, time.monotonic(), daemon, 2, **kw)
+        with pytest.raises(CacheProtocolError, match="generation 1 -> 2"):
+            _check_unchanged_after_copy(engine, time.monotonic(), daemon, 1, **kw)
+        dead = raw_connect(daemon, 30)
+        dead.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(CacheProtocolError, match="generation 1 -> 2"):
+            _check_unchanged_after_copy(dead, time.monotonic(), daemon, 1, **kw)
+        dead.close()
+        assert released == [1, 1, 1]
     finally:
         engine.close()
         coordinator.close()

@@ -22,7 +22,8 @@ copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the check
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
 Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
 list of attach, restart, scaling (CUDA) and noearly (READY cold again with the rank's early
-reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what reading while the rank starts saves).
+reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what reading while the rank starts saves) and
+warmgrid (the warm preload again with 32 readers, against the warm default of one per core).
 """
 
 from __future__ import annotations
@@ -479,6 +480,10 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["loader_warm"] = _safe("loader warm", loader_runs, model_dir, [{}], False)
     if kind == "sharded":
         r["preload_warm"] = _safe("preload warm", preload_once, model_dir, files, False)
+        if "warmgrid" in parts:  # the warm default (a reader per core) against 32 readers
+            r["preload_warm_threads32"] = _safe(
+                "preload warm, 32 readers", preload_once, model_dir, files, False,
+                {"WEIGHTCACHE_LOAD_THREADS": "32"})
     with contextlib.suppress(Exception):
         nbytes = r["loader_warm"][0]["nbytes"]
     if kind == "sharded" and "attach" in parts and nbytes and _cuda():
@@ -564,6 +569,12 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         if nbytes and s["preload_warm_rank_load_s"]:
             s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
         s["preload_warm_ready_s"] = pw.get("seconds")
+        s["preload_warm_threads"] = ((pw.get("rank_loads") or [{}])[0].get("loader") or {}
+                                     ).get("threads")
+        p32 = _get(r, "preload_warm_threads32", "ready")
+        if p32 and nbytes and max(p32.get("load_seconds") or [0]):
+            s["preload_warm_threads32_rank_gb_per_s"] = round(
+                nbytes / max(p32["load_seconds"]) / GB, 2)
         s["preload_warm_phases"] = _phases(pw)
         s["preload_warm_early"] = _early(pw)
     if _get(r, "attach", "attach_ms_median"):

@@ -175,10 +175,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(sockets, ignore_errors=True)
         if not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    out["staging_buffer"] = staging_buffer_figures(result["bytes"], device)
     if args.device == "cuda":
         from .gpu import h2d_rate
 
         out["h2d_pinned"] = h2d_rate(min(4 << 30, max(result["bytes"], 1 << 20)))
+    return out
+
+
+def staging_buffer_figures(nbytes: int, device: Any) -> dict[str, float]:
+    """Seconds to make `nbytes` of host staging ready (pinned on CUDA): the daemon's way
+    (updater._staging: populated by several threads, then registered) against an untouched
+    allocation registered as it is (the driver populates it on one thread), in the same run."""
+    import torch
+
+    from weightcache.native.daemon.updater import _staging
+
+    def plain() -> Any:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if device.type == "cuda":
+            runtime = torch.cuda.cudart()
+            runtime.cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            runtime.cudaHostUnregister(buf.data_ptr())
+        else:
+            buf.fill_(0)  # first touch, as the load's copies would do it
+        return buf
+
+    out = {}
+    for name, make in (("plain_s", plain), ("daemon_s", lambda: _staging(nbytes, device))):
+        t0 = time.perf_counter()
+        buf = make()
+        out[name] = round(time.perf_counter() - t0, 4)
+        del buf
     return out
 
 
@@ -225,6 +253,10 @@ def main(argv: list[str]) -> int:
             f"addresses kept: {ip['addresses_kept']}",
             f"staging (read + digest, one pass): {ip['staging_gb_per_s']} GB/s against one "
             f"page-cache reader's {ip['page_cache_read_gb_per_s']} GB/s",
+            f"staging phases (s): {ip.get('stage_phases')}",
+            f"host staging made ready: {report['staging_buffer']['daemon_s']} s, an untouched"
+            f" allocation {'registered' if args.device == 'cuda' else 'touched'} as it is "
+            f"{report['staging_buffer']['plain_s']} s",
         ],
     )
     print("  " + json.dumps(report), flush=True)

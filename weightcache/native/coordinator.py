@@ -176,6 +176,8 @@ class GroupUpdate:
             if failed := _failed(replies, self.ranks):
                 raise UpdateError(*failed, detail=_detail(replies))
             self.report["rollback"] = all(bool(r.get("rollback")) for r in replies)
+            slowest = max(replies, key=lambda r: float(r.get("seconds", 0)))
+            self.report["stage_phases"] = slowest.get("phases") or {}
             self.report["rollback_why"] = next(
                 (str(r["rollback_why"]) for r in replies if r.get("rollback_why")), "")
             blockers = [b for r in replies for b in r.get("blockers", [])]
@@ -287,7 +289,8 @@ def update_group(
     finally:
         group.close()
     keys = ("generation", "ranks", "bytes", "seconds_staged", "seconds_paused", "seconds_write",
-            "seconds_total", "engines_paused", "forced_engines", "identity", "source")
+            "seconds_total", "engines_paused", "forced_engines", "identity", "source",
+            "stage_phases")
     return {k: report.get(k) for k in keys}
 
 

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..shared import content as content_mod
+from ..shared import hostmem
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.errors import UpdateError
@@ -151,6 +152,7 @@ class Staged:
     forced: list[int] = field(default_factory=list)
     previous: torch.Tensor | None = None  # host copy of the generation served before the write
     rollback_why: str = ""  # why no copy was kept
+    phases: dict[str, Any] = field(default_factory=dict)  # seconds per step, and the read's rate
 
 
 def layout_differences(
@@ -211,12 +213,20 @@ def host_memory_available() -> int | None:
     return avail
 
 
+POPULATE_MIN_BYTES = 64 << 20  # below this, torch's allocator (and first touch) is quick
+
+
 def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
     """Host staging; page-locked for a CUDA arena, so the paused copy runs at the link's speed.
 
     Pinned by cudaHostRegister over an exact-size allocation rather than `pin_memory=True`:
-    torch's pinned allocator rounds up to a power of two (16 GB would pin 32 GB)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    torch's pinned allocator rounds up to a power of two (16 GB would pin 32 GB). A large one
+    is a mapping populated by several threads first (hostmem.py): registering untouched
+    memory faults it in on one thread inside the driver."""
+    if nbytes >= POPULATE_MIN_BYTES:
+        buf = torch.frombuffer(hostmem.populated(nbytes), dtype=torch.uint8)
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
     if device.type != "cuda" or nbytes == 0:
         return buf
     runtime = torch.cuda.cudart()
@@ -439,8 +449,28 @@ class RankUpdater:
             # Reserve the slot so that a second coordinator is refused while we read.
             self.staged = Staged("", conn, torch.empty(0, dtype=torch.uint8), {}, "", "", 0, "")
         try:
-            staged = self._read(conn, req, fds)
-            self._keep_previous(staged, req.get("rollback", "auto"))
+            mode = req.get("rollback", "auto")
+            if mode not in ROLLBACK_MODES:
+                raise UpdateError(proto.E_BAD_REQUEST, f"rollback must be one of {ROLLBACK_MODES}")
+            # The rollback copy (device to host) is taken while the new bytes are read: both
+            # happen while engines keep serving, and neither waits for the other.
+            # It starts once staging is allocated, so that it sees the host memory left then.
+            allocated, outcome = threading.Event(), {"failed": False}
+            with ThreadPoolExecutor(1, thread_name_prefix="weightcache-rollback") as pool:
+                keeping = pool.submit(self._previous_copy, mode, allocated, outcome)
+                try:
+                    staged = self._read(conn, req, fds, allocated)
+                except BaseException:
+                    outcome["failed"] = True
+                    allocated.set()
+                    with contextlib.suppress(BaseException):
+                        keeping.result()
+                    raise
+                allocated.set()
+                staged.previous, staged.rollback_why, rollback_s = keeping.result()
+            staged.phases["rollback_seconds"] = round(rollback_s, 6)
+            if staged.previous is not None and staged.previous.numel() != staged.buffer.numel():
+                staged.previous, staged.rollback_why = None, "the arena's size changed"
         except BaseException:
             with self._lock:
                 self.staged = None
@@ -454,6 +484,7 @@ class RankUpdater:
         return proto.ok(update=staged.update_id, generation=self.generation,
                         next_generation=self.generation + 1, bytes=staged.buffer.numel(),
                         seconds=round(staged.seconds, 6), digest=staged.digest,
+                        phases=staged.phases,
                         fingerprint=staged.fingerprint,
                         blockers=self._locked(self._blockers),
                         rollback=staged.previous is not None, rollback_why=staged.rollback_why)
@@ -462,7 +493,8 @@ class RankUpdater:
         with self._lock:
             return fn()
 
-    def _read(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> Staged:
+    def _read(self, conn: socket.socket, req: dict[str, Any], fds: list[int],
+              allocated: threading.Event) -> Staged:
         """Stage and verify the new bytes; nothing the engines see changes here."""
         t0 = time.monotonic()
         cfg, server = self.config, self.server
@@ -489,7 +521,10 @@ class RankUpdater:
                 before = {p.name: content_mod.FileIdentity.of(os.stat(p)) for p in ckpt.files}
             except OSError as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            t_alloc = time.monotonic()
             buffer = _staging(layout.nbytes, server.device)
+            allocated.set()
+            t_read = time.monotonic()
             try:
                 # One pass: the parallel loader reads every byte of the files once into
                 # staging and digests it from there; the files' identities bracket it.
@@ -503,6 +538,10 @@ class RankUpdater:
             if any(record[n].identity != ident for n, ident in before.items()):
                 raise UpdateError(proto.E_BAD_REQUEST,
                                   f"{model} changed while it was being staged; retry")
+            phases = {"plan_seconds": round(t_alloc - t0, 6),
+                      "allocate_seconds": round(t_read - t_alloc, 6),
+                      "read_seconds": round(time.monotonic() - t_read, 6),
+                      "read_gb_per_s": round(stats.gbps, 3), "read_threads": stats.threads}
             root = content_mod.content_root(record)
             fingerprint = {**fingerprint, CONTENT: root}
             # The staged bytes are the files' bytes, which the content root names already:
@@ -512,6 +551,7 @@ class RankUpdater:
             if len(fds) != 1:
                 raise UpdateError(proto.E_BAD_REQUEST, "a push carries exactly one memfd")
             model = "push"
+            phases = {}
             buffer = self._read_push(fds[0])
             digest = _sha256(buffer)
             # Served bytes no longer equal any checkpoint on disk: no engine asking for one
@@ -521,20 +561,30 @@ class RankUpdater:
         else:
             raise UpdateError(proto.E_BAD_REQUEST, f"unknown update source {source!r}")
         return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
-                      time.monotonic() - t0, digest, record)
+                      time.monotonic() - t0, digest, record, phases=phases)
 
-    def _keep_previous(self, staged: Staged, mode: Any) -> None:
-        """Copy the bytes served now to host memory, so a failure after the write can undo it.
+    def _previous_copy(self, mode: str, allocated: threading.Event, outcome: dict[str, bool]
+                       ) -> tuple[torch.Tensor | None, str, float]:
+        """The bytes served now, copied to host memory so that a failure after the write can
+        undo it: (the copy or None, why none, seconds), once staging is `allocated` (nothing
+        if the read failed meanwhile).
 
         Taken while engines keep serving (nothing writes the arena before `update_write`, and
         the reserved slot keeps any other update out). Costs the arena's size in host memory
         (pinned on CUDA) from stage to finish, on top of staging: 2x the arena per rank."""
-        if mode not in ROLLBACK_MODES:
-            raise UpdateError(proto.E_BAD_REQUEST, f"rollback must be one of {ROLLBACK_MODES}")
+        allocated.wait()
+        if outcome["failed"]:
+            return None, "", 0.0
+        t0 = time.monotonic()
+        device = self.server.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            previous, why = self._keep_previous(mode)
+        return previous, why, time.monotonic() - t0
+
+    def _keep_previous(self, mode: str) -> tuple[torch.Tensor | None, str]:
         if mode == "off":
-            staged.rollback_why = "no rollback copy requested"
-            return
-        nbytes = staged.buffer.numel()
+            return None, "no rollback copy requested"
+        nbytes = self.server.nbytes
         with self._lock:
             broken, arena = self.phase == BROKEN, self.server.arena
         if arena is None:
@@ -550,16 +600,15 @@ class RankUpdater:
         if why and mode == "require":
             raise UpdateError(proto.E_NO_ROLLBACK, f"no rollback copy possible ({why})")
         if why:
-            staged.rollback_why = why
             log.warning("rank %d: update without rollback: %s", self.server.rank, why)
-            return
+            return None, why
         previous = _staging(nbytes, self.server.device)
         src = arena.tensor()[:nbytes]
         previous.copy_(src)
         if src.is_cuda:
             torch.cuda.synchronize(src.device)
         del src
-        staged.previous = previous
+        return previous, ""
 
     def _read_push(self, fd: int) -> torch.Tensor:
         """Copy a pushed memfd (the rank's arena image) into staging; never map it writable."""

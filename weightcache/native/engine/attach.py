@@ -20,7 +20,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from ..shared import coldload, content, plantable
 from ..shared import fingerprint as fp
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, RawCheckpoint, open_checkpoint, read_raw
-from ..shared.connection import connect, query, raise_for, request
+from ..shared.connection import connect, query, raise_for, recv_reply, request, send_request
 from ..shared.errors import (
     CacheProtocolError,
     CacheSecurityError,
@@ -149,6 +149,19 @@ class ExpectedShard:
     identity: str
     device: torch.device
     planned: bool = True  # False: the plan came from this process' cache (plancache.py)
+    # A kept plan's claim while its chunks still hash (content.PendingClaim): the attach
+    # says hello meanwhile; `claimed()` puts it into the fingerprint before get_state.
+    pending: content.PendingClaim | None = None
+
+    def claimed(self) -> dict[str, Any]:
+        """The fingerprint with its content claim, waiting for a pending one."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            try:
+                self.fingerprint = {**self.fingerprint, "content": pending.result()}
+            except OSError as exc:
+                raise CheckpointError(f"cannot read a checkpoint file: {exc}") from None
+        return self.fingerprint
 
     @property
     def tensors(self) -> int:
@@ -206,13 +219,13 @@ def _kept(key: tuple[Any, ...], dirs: tuple[Any, ...], identity: str,
     if kept is None or (own and not isinstance(kept.layout, ArenaLayout)):
         return None
     try:
-        claim = content.sample_claim(kept.files, coverage=kept.share)
+        claim = content.start_claim(kept.files, coverage=kept.share)
     except OSError:
         claim = None  # a file went away: plan again, which says what is wrong
-    if claim is not None and plancache.claimed_identities(claim) == kept.identities:
-        return ExpectedShard(kept.layout, {**kept.fingerprint, "content": claim}, identity,
-                             device, planned=False)
-    PLANS.drop(key)
+    if claim is not None and claim.identities == kept.identities:
+        return ExpectedShard(kept.layout, dict(kept.fingerprint), identity, device,
+                             planned=False, pending=claim)
+    PLANS.drop(key)  # a discarded claim closes its files once its reads are done
     return None
 
 
@@ -236,6 +249,7 @@ def plan_rank(
                                            shard_rules, dtype)
     kept = _kept(key, dirs, identity, device, own=True) if cache else None
     if kept is not None:
+        kept.claimed()
         return kept
     rules = parse_rules(shard_rules)
     ckpt = open_checkpoint(model_dir)
@@ -388,15 +402,24 @@ def _check_table(plan: ExpectedShard, reply: dict[str, Any]) -> None:
 
 def _check_unchanged_after_copy(
     sock: socket.socket, since: float, path: Path, generation: Any, *,
-    connect_timeout_s: float, state_timeout_s: float,
+    connect_timeout_s: float, state_timeout_s: float, meanwhile: Callable[[], None],
 ) -> None:
     """`_check_unchanged`, asked on the attach's own connection while the daemon surely keeps
     it (its idle deadline is REQUEST_DEADLINE_S) and on a fresh one otherwise: a long copy
-    may outlast the deadline, and a connection dropped anyway is asked again anew."""
+    may outlast the deadline, and a connection dropped anyway is asked again anew.
+
+    The copy has landed before this is called, so the answer is about a moment after it:
+    `meanwhile()` (the unmapping) runs while the daemon answers."""
     hello = None
+    sent = False
     if time.monotonic() - since < REQUEST_DEADLINE_S / 2:
         with contextlib.suppress(DaemonUnavailableError, CacheProtocolError):
-            hello, _ = request(sock, "hello")
+            send_request(sock, "hello")
+            sent = True
+    meanwhile()
+    if sent:
+        with contextlib.suppress(DaemonUnavailableError, CacheProtocolError):
+            hello, _ = recv_reply(sock, "hello")
     if hello is None:
         with contextlib.closing(connect(path, timeout=connect_timeout_s)) as again:
             again.settimeout(state_timeout_s)
@@ -520,7 +543,7 @@ def _from_cache_unchecked(
             copy_to(plan.layout.nbytes)
         else:
             plan = spec
-        reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.fingerprint,
+        reply, fds = request(sock, "get_state", accept_fds=True, fingerprint=plan.claimed(),
                              mode=mode)
         served_at = time.monotonic()
         clock.mark("get_state")
@@ -574,11 +597,15 @@ def _from_cache_unchecked(
             if plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)  # the copy has landed
             clock.mark("copy")
-            # Unmapped here, on the engine's thread: the driver calls need this thread's CUDA
-            # context (a new thread has none: cuCtxSynchronize would fail and the mapping leak).
-            imported.close()
-            clock.mark("release")
-            _check_unchanged_after_copy(sock, served_at, path, generation,
+
+            def release() -> None:
+                # Unmapped here, on the engine's thread: the driver calls need this thread's
+                # CUDA context (a new thread has none: cuCtxSynchronize would fail and the
+                # mapping leak).
+                imported.close()
+                clock.mark("release")
+
+            _check_unchanged_after_copy(sock, served_at, path, generation, meanwhile=release,
                                         connect_timeout_s=connect_timeout_s,
                                         state_timeout_s=state_timeout_s)
             clock.mark("check")

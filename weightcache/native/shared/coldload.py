@@ -539,9 +539,6 @@ def load_entries(
         raise ValueError("the arena must be a flat uint8 tensor")
     # A CPU arena has no copy engine to keep busy: a few readers per core are enough.
     default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * (os.cpu_count() or 2))
-    # The knobs never fail a load (an engine's disk fallback): a bad one is its default here,
-    # and a daemon's rank refused it before loading (loadenv.py).
-    threads = threads or loadenv.threads(default)
     chunk = chunk or loadenv.chunk()  # the early reads cut their jobs with the same size
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
     mode = loadenv.direct() if direct is None else loadenv.direct_mode(direct)
@@ -552,6 +549,14 @@ def load_entries(
     disk, mine = for_load(disk or (early.disk if early is not None else None))
     try:
         sink = _open_files(entries, digest, opened, share)
+        if flat.is_cuda and _all_resident(opened):
+            # No disk to keep busy: one reader per core does the copies and the hashing, and
+            # half as many pinned buffers are set up (the fill's threads never exceed its CPU
+            # slots anyway).
+            default = cpu_slots(DEFAULT_THREADS)
+        # The knobs never fail a load (an engine's disk fallback): a bad one is its default
+        # here, and a daemon's rank refused it before loading (loadenv.py).
+        threads = threads or loadenv.threads(default)
         if early is not None:
             early.accept({p: FileIdentity.of(os.fstat(fd)) for p, fd in opened.items()}
                          if sink is not None and sink.coverage is None else {})
@@ -588,6 +593,12 @@ def _open_files(entries: list[Any], digest: list[Path | str] | None,
         return None
     return ChunkSink({Path(p): idents[Path(p)] for p in digest},
                      coverage=share_chunks(entries) if share else None)
+
+
+def _all_resident(opened: dict[Path, int]) -> bool:
+    """The page cache holds every opened file whole (a warm load)."""
+    return bool(opened) and all(resident(fd, 0, os.fstat(fd).st_size)
+                                for fd in opened.values())
 
 
 def _check_unchanged(sink: ChunkSink, opened: dict[Path, int]) -> None:

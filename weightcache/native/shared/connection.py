@@ -88,8 +88,28 @@ def request(
     deadline: float | None = None, **fields: Any
 ) -> tuple[dict[str, Any], list[int]]:
     """One request and its reply; `deadline` (monotonic) bounds the whole reply, not each read."""
+    send_request(sock, cmd, **fields)
+    return recv_reply(sock, cmd, accept_fds=accept_fds, max_frame=max_frame, deadline=deadline)
+
+
+def send_request(sock: socket.socket, cmd: str, **fields: Any) -> None:
+    """The first half of `request`: the caller may work while the daemon answers."""
     try:
         proto.send_frame(sock, {"cmd": cmd, **fields})
+    except TimeoutError:
+        raise DaemonTimeoutError(f"daemon did not take {cmd!r} in time") from None
+    except proto.ProtocolError as exc:
+        raise CacheProtocolError(f"{cmd}: {exc}") from None
+    except OSError as exc:
+        raise DaemonUnavailableError(f"{cmd}: {exc}") from None
+
+
+def recv_reply(
+    sock: socket.socket, cmd: str, *, accept_fds: bool = False, max_frame: int = proto.MAX_FRAME,
+    deadline: float | None = None,
+) -> tuple[dict[str, Any], list[int]]:
+    """The second half of `request`: the reply to `cmd`."""
+    try:
         return proto.recv_frame(sock, accept_fds=accept_fds, max_frame=max_frame,
                                 deadline=deadline)
     except TimeoutError:
