@@ -162,6 +162,7 @@ class RankServer:
         self.released_bytes = 0
         self.stopping = threading.Event()
         self.updates: RankUpdater | None = None  # set once built: in-place updates
+        self._transports: list[str] | None = None
 
     def ship_plan(self, build: Any) -> None:
         """Encode the plan on a thread of its own (about 2 us per tensor, so not in front of
@@ -185,11 +186,17 @@ class RankServer:
     def _device_info(self) -> dict[str, Any]:
         return {"kind": self.device.type, "uuid": self.identity, "index": self.device.index or 0}
 
+    def _capabilities(self) -> list[str]:
+        """The transports that serve this device: asked once (every attach says hello)."""
+        if self._transports is None:
+            self._transports = available_transports(self.device)
+        return list(self._transports)
+
     def cmd_hello(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         return proto.ok(
             protocol=proto.PROTOCOL_VERSION,
             runtime_version=fp.RUNTIME_VERSION,
-            capabilities=available_transports(self.device),
+            capabilities=self._capabilities(),
             transport=self.transport_name,
             device=self._device_info(),
             rank=self.rank,

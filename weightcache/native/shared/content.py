@@ -269,8 +269,17 @@ def _sample_counts(sizes: Mapping[str, int], chunk_bytes: int) -> dict[str, int]
     return out
 
 
+_claim_buffers = threading.local()
+
+
 def _sampled_digest(fd: int, index: int) -> bytes:
-    return chunk_digest(os.pread(fd, CHUNK_BYTES, index * CHUNK_BYTES))
+    """One chunk's digest, read into its thread's own buffer: a fresh 1 MiB per read would be
+    a new mapping to fault in and give back each time."""
+    buf = getattr(_claim_buffers, "buf", None)
+    if buf is None:
+        buf = _claim_buffers.buf = memoryview(bytearray(CHUNK_BYTES))
+    got = os.preadv(fd, [buf], index * CHUNK_BYTES)
+    return chunk_digest(buf[:got])
 
 
 _claim_pool: tuple[int, ThreadPoolExecutor] | None = None
