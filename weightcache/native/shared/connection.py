@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,16 +93,23 @@ def request(
     return recv_reply(sock, cmd, accept_fds=accept_fds, max_frame=max_frame, deadline=deadline)
 
 
-def send_request(sock: socket.socket, cmd: str, **fields: Any) -> None:
-    """The first half of `request`: the caller may work while the daemon answers."""
+@contextlib.contextmanager
+def _daemon_errors(cmd: str, late: str) -> Iterator[None]:
+    """A socket's failures as the client's errors; `late`: what the daemon did not do in time."""
     try:
-        proto.send_frame(sock, {"cmd": cmd, **fields})
+        yield
     except TimeoutError:
-        raise DaemonTimeoutError(f"daemon did not take {cmd!r} in time") from None
+        raise DaemonTimeoutError(f"daemon did not {late} {cmd!r} in time") from None
     except proto.ProtocolError as exc:
         raise CacheProtocolError(f"{cmd}: {exc}") from None
     except OSError as exc:
         raise DaemonUnavailableError(f"{cmd}: {exc}") from None
+
+
+def send_request(sock: socket.socket, cmd: str, **fields: Any) -> None:
+    """The first half of `request`: the caller may work while the daemon answers."""
+    with _daemon_errors(cmd, "take"):
+        proto.send_frame(sock, {"cmd": cmd, **fields})
 
 
 def recv_reply(
@@ -109,15 +117,9 @@ def recv_reply(
     deadline: float | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """The second half of `request`: the reply to `cmd`."""
-    try:
+    with _daemon_errors(cmd, "answer"):
         return proto.recv_frame(sock, accept_fds=accept_fds, max_frame=max_frame,
                                 deadline=deadline)
-    except TimeoutError:
-        raise DaemonTimeoutError(f"daemon did not answer {cmd!r} in time") from None
-    except proto.ProtocolError as exc:
-        raise CacheProtocolError(f"{cmd}: {exc}") from None
-    except OSError as exc:
-        raise DaemonUnavailableError(f"{cmd}: {exc}") from None
 
 
 PROBE_FRAME = 1 << 20  # a probe's reply (hello, get_memory, stats) is small
