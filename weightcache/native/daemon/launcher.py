@@ -264,7 +264,7 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
 
 
 # What READY carries of each rank's SERVING line (docs/native.md, "READY").
-RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early")
+RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early", "import_prefetch")
 
 
 def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1) -> list[str]:

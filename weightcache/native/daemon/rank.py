@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from weightcache.contracts.vocabulary import (
     EXIT_SECURITY,
 )
 
-from ..shared import diskshare, limits, loadenv
+from ..shared import diskshare, importset, limits, loadenv
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
@@ -86,6 +87,7 @@ class _Held:
     path: Path
     lock: SocketLock
     early: EarlyReads | None = None
+    prefetch: importset.Prefetch | None = None
     shard: LoadedShard | None = None
     server: RankServer | None = None
     listener: socket.socket | None = None
@@ -94,6 +96,8 @@ class _Held:
         # From here on signals must not interrupt: the cleanup is what they ask for.
         _Serving.abandon = False
         _ignore_stop_signals()
+        if self.prefetch is not None:
+            self.prefetch.stop()
         if self.early is not None:
             self.early.close()
         _Serving.server = _Serving.listener = None
@@ -123,13 +127,19 @@ def run(config: RankConfig) -> int:
         log.error("%s", exc)
         return exc.code
     try:
-        held.early = start_early_reads(config, ckpt)
+        set_file = importset.set_path()
+        if set_file is not None:  # what the last start read: read it ahead, in large reads
+            held.prefetch = importset.Prefetch(importset.load(set_file)).start()
+        held.early = start_early_reads(config, ckpt, held.prefetch)
         from . import loading, server  # torch: only now that this rank holds its lock
 
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
         held.server = server.serve_shard(held.shard, config, rules, ckpt)
         held.listener = bind(config, held.path)
-        announce(config, held.shard, held.path, clock)
+        announce(config, held.shard, held.path, clock, held.prefetch)
+        if set_file is not None:  # for the next start, off the critical path
+            threading.Thread(target=importset.record, args=(set_file, list(ckpt.files)),
+                             name="weightcache-import-set", daemon=True).start()
         _Serving.server, _Serving.listener = held.server, held.listener
         held.server.serve(held.listener)
         return EXIT_OK
@@ -182,7 +192,8 @@ def claim_socket(config: RankConfig) -> _Held:
     return _Held(Path(path), lock)
 
 
-def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None:
+def start_early_reads(config: RankConfig, ckpt: Checkpoint,
+                      prefetch: importset.Prefetch | None = None) -> EarlyReads | None:
     """Read the first files while torch and the device start (earlyread.py; the fill
     digests them).
 
@@ -199,7 +210,12 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint) -> EarlyReads | None
         return None
     # The early reads go gentle while the import faults (diskshare.py); the fill too.
     disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE)
-    return EarlyReads(ckpt.files, budget, disk=disk).start()
+    # After the import set (the disk reads that in well under a second), not beside it.
+    return EarlyReads(ckpt.files, budget, disk=disk).start(
+        prefetch.done if prefetch is not None else None, PREFETCH_WAIT_S)
+
+
+PREFETCH_WAIT_S = 3.0  # the early reads wait at most this long for the import set
 
 
 def bind(config: RankConfig, path: Path) -> socket.socket:
@@ -210,7 +226,8 @@ def bind(config: RankConfig, path: Path) -> socket.socket:
         raise RankRefused(str(exc), EXIT_SECURITY) from None
 
 
-def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClock) -> None:
+def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClock,
+             prefetch: importset.Prefetch | None = None) -> None:
     """The `SERVING {json}` line the launcher waits for."""
     layout, seconds = shard.layout, shard.load_seconds
     emit("SERVING " + json.dumps({
@@ -226,6 +243,7 @@ def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClo
         "load_gb_per_s": float(f"{layout.nbytes / seconds / 1e9:.4g}") if seconds > 0 else None,
         "phases": clock.phases,
         "early": shard.early,
+        "import_prefetch": prefetch.stats() if prefetch is not None else None,
         "loader": shard.loader.as_dict() if shard.loader is not None else None,
         "pid": os.getpid(),
         "content": shard.fingerprint["content"],

@@ -126,6 +126,8 @@ class EarlyReads:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pool: list[threading.Thread] = []
+        self._after: threading.Event | None = None
+        self._wait_s = 0.0
         self._map: mmap.mmap | None = None
         self.read_bytes = self.direct_bytes = self.taken_bytes = self.resident_bytes = 0
         self.idle_io = False
@@ -157,8 +159,11 @@ class EarlyReads:
                     self._map.madvise(mmap.MADV_HUGEPAGE)
         self._next = 0
 
-    def start(self) -> EarlyReads:
+    def start(self, after: threading.Event | None = None, wait_s: float = 0.0) -> EarlyReads:
+        """Start reading; with `after`, only once it is set (at most `wait_s` later): the
+        rank's own start reads its import set first (importset.py)."""
         self.started = time.perf_counter()
+        self._after, self._wait_s = after, wait_s
         count = min(self.threads, len(self._order))
         self._pool = [threading.Thread(target=self._work, args=(i,), name=f"early-{i}",
                                        daemon=True) for i in range(count)]
@@ -182,6 +187,8 @@ class EarlyReads:
         direct_fds: dict[Path, int] = {}
         if idle_io_priority():
             self.idle_io = True
+        if self._after is not None:
+            self._after.wait(self._wait_s)
         try:
             while (job := self._claim(index)) is not None:
                 ok = self._read(job, direct_fds)

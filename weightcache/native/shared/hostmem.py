@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 import os
 import threading
 
+from . import libc
+
 MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
 SLICE_BYTES = 1 << 30  # a thread's unit of population (huge-page aligned)
 
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise.restype = ctypes.c_int
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _libc = None
+_madvise = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def address(buf: mmap.mmap) -> int:
@@ -40,8 +36,8 @@ def address(buf: mmap.mmap) -> int:
 
 
 def _populate(addr: int, length: int) -> bool:
-    assert _libc is not None
-    return _libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0
+    assert _madvise is not None
+    return _madvise(addr, length, MADV_POPULATE_WRITE) == 0
 
 
 def populated(nbytes: int, threads: int | None = None) -> mmap.mmap:
@@ -53,7 +49,7 @@ def populated(nbytes: int, threads: int | None = None) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP off in this kernel: 4 KiB pages
             buf.madvise(mmap.MADV_HUGEPAGE)
-    if _libc is None:
+    if _madvise is None:
         return buf
     base = address(buf)
     slices = [(at, min(SLICE_BYTES, nbytes - at)) for at in range(0, nbytes, SLICE_BYTES)]

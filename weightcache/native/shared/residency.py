@@ -11,10 +11,11 @@ page in. Where neither works the answer is "not resident", which only costs spee
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import platform
+
+from . import libc
 
 PAGE = mmap.PAGESIZE
 # cachestat is 451 in the generic syscall table and on x86-64 alike (Linux 6.5).
@@ -35,10 +36,7 @@ class _Stat(ctypes.Structure):
     ]
 
 
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-except OSError:  # pragma: no cover - no libc (not Linux)
-    _libc = None
+_libc = libc.LIBC
 _use_cachestat = _libc is not None and _CACHESTAT_NR is not None and hasattr(_libc, "syscall")
 
 

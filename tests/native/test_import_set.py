@@ -1,0 +1,172 @@
+"""The import set: what a rank's start read, kept to be read ahead at its next start.
+
+Real files, a real page cache (`POSIX_FADV_DONTNEED` and `cachestat`/`mincore` through
+`residency`), real mappings, and the real launcher and rank for the round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from weightcache.native.shared import importset
+from weightcache.native.shared.coldload import drop_page_cache
+from weightcache.native.shared.residency import resident, resident_pages
+from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
+
+PAGE = mmap.PAGESIZE
+SHAPE = LlamaShape(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+
+
+def _file(path: Path, pages: int) -> Path:
+    path.write_bytes(os.urandom(pages * PAGE))
+    os.sync()
+    drop_page_cache([path], everything=False)
+    return path
+
+
+def _resident(path: Path, start: int = 0, length: int | None = None) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident(fd, start, path.stat().st_size - start if length is None else length)
+    finally:
+        os.close(fd)
+
+
+def test_a_mapped_file_lists_the_pages_it_faulted_and_a_prefetch_reads_them_back(tmp_path):
+    """What this process mapped and touched is in the set; after the page cache dropped it, a
+    prefetch of the set brings those pages back (and reads nothing of an excluded file)."""
+    lib = _file(tmp_path / "lib.so", 512)
+    skipped = _file(tmp_path / "weights.safetensors", 64)
+    maps = []
+    for f in (lib, skipped):
+        fh = open(f, "rb")  # noqa: SIM115  (closed below, after the set is recorded)
+        m = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        m.madvise(mmap.MADV_RANDOM)  # no readahead: exactly the touched pages
+        maps.append((fh, m))
+    for page in (3, 4, 300):
+        _ = maps[0][1][page * PAGE]
+    _ = maps[1][1][0]
+    found = importset.collect(exclude=[skipped])
+    entry = next(f for f in found["files"] if f["path"] == str(lib))
+    assert not any(f["path"] == str(skipped) for f in found["files"])
+    covered = [(s, e) for s, e in entry["ranges"]]
+    for page in (3, 4, 300):
+        assert any(s <= page * PAGE and (page + 1) * PAGE <= e for s, e in covered)
+    assert entry["identity"] == importset._identity(lib.stat())
+    path = tmp_path / "set.json"
+    assert importset.record(path, exclude=[skipped]) is not None  # while still mapped
+    assert path.stat().st_mode & 0o777 == 0o600
+    for fh, m in maps:
+        m.close()
+        fh.close()
+    drop_page_cache([lib], everything=False)
+    assert not _resident(lib, 300 * PAGE, PAGE)
+    files = [f for f in importset.load(path) if f["path"] == str(lib)]
+    pf = importset.Prefetch(files).start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["files"] == 1 and stats["skipped"] == 0 and stats["bytes"] >= 3 * PAGE
+    assert _resident(lib, 300 * PAGE, PAGE) and _resident(lib, 3 * PAGE, 2 * PAGE)
+
+
+def test_a_changed_file_is_skipped_and_module_files_are_whole(tmp_path):
+    """A file whose identity changed since the set was written is not read at all; imported
+    modules are listed with their whole bytecode file."""
+    f = _file(tmp_path / "a.bin", 16)
+    ident = importset._identity(f.stat())
+    time.sleep(0.01)
+    f.write_bytes(os.urandom(16 * PAGE))  # same size, new mtime
+    os.sync()
+    drop_page_cache([f], everything=False)
+    pf = importset.Prefetch([{"path": str(f), "identity": ident,
+                              "ranges": [(0, 16 * PAGE)]}]).start()
+    assert pf.done.wait(30)
+    assert pf.stats()["skipped"] == 1 and pf.stats()["bytes"] == 0
+    fd = os.open(f, os.O_RDONLY)
+    assert (resident_pages(fd, 0, 16 * PAGE) or (0, 0))[0] == 0
+    os.close(fd)
+    found = importset.collect()
+    cached = importset.__spec__.cached
+    mine = cached if cached and os.path.isfile(cached) else importset.__file__
+    entry = next(e for e in found["files"] if e["path"] == mine)
+    assert entry["ranges"] == [[0, os.stat(mine).st_size]]
+
+
+@pytest.mark.parametrize("how", ["garbage", "old version", "group writable", "symlink",
+                                 "bad entries"])
+def test_a_set_we_cannot_trust_or_parse_is_ignored(tmp_path, how):
+    path = tmp_path / "set.json"
+    good = {"version": importset.VERSION, "files": [
+        {"path": str(tmp_path / "x"), "identity": [1, 2, 3, 4], "ranges": [[0, 10]]}]}
+    if how == "garbage":
+        path.write_bytes(b"\x00{not json")
+    elif how == "old version":
+        path.write_text(json.dumps({**good, "version": 0}))
+    elif how == "group writable":
+        path.write_text(json.dumps(good))
+        os.chmod(path, 0o620)
+    elif how == "symlink":
+        (tmp_path / "real.json").write_text(json.dumps(good))
+        path.symlink_to(tmp_path / "real.json")
+    else:
+        path.write_text(json.dumps({"version": importset.VERSION, "files": [
+            {"path": 5}, {"path": "/x", "identity": [1, "2", 3, 4], "ranges": [[0, 1]]},
+            {"path": "/y", "identity": [1, 2, 3, 4], "ranges": [[5, 1], "z"]}]}))
+    assert importset.load(path) == []
+    if how == "group writable":  # the same set, private again: taken
+        os.chmod(path, 0o600)
+        assert importset.load(path) != []
+    if how == "symlink":  # the file it points to, named itself: taken
+        assert importset.load(tmp_path / "real.json") != []
+
+
+def test_the_set_path_follows_the_knob(tmp_path, monkeypatch):
+    monkeypatch.delenv(importset.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert importset.set_path() == tmp_path / "cache" / "weightcache" / importset.SET_NAME
+    monkeypatch.setenv(importset.ENV, "off")
+    assert importset.set_path() is None
+    monkeypatch.setenv(importset.ENV, str(tmp_path / "elsewhere.json"))
+    assert importset.set_path() == tmp_path / "elsewhere.json"
+
+
+def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, sock_dir,
+                                                                      preload):
+    """Through the real launcher and rank: the first start finds no set and writes one into
+    the user's cache directory (torch's libraries and modules among it, nothing in the socket
+    directory); the next start reads it before importing torch and says so in READY; `off`
+    does neither."""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
+    args = ("--model", str(model), "--weight-cache-socket-dir", str(sock_dir))
+    env = {k: v for k, v in os.environ.items() if k != importset.ENV}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    p = preload(*args, env=env)
+    first = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    assert first["files"] == 0 and first["bytes"] == 0 and first["done"]
+    set_file = tmp_path / "cache" / "weightcache" / importset.SET_NAME
+    deadline = time.monotonic() + 60
+    while not set_file.exists():
+        assert time.monotonic() < deadline, "the rank wrote no import set"
+        time.sleep(0.1)
+    files = importset.load(set_file)
+    assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
+    assert any(f["path"].endswith(".pyc") for f in files)
+    assert not any(f["path"].endswith(".safetensors") for f in files)
+    p.stop()
+    p = preload(*args, env=env)
+    again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    assert again["done"] and again["files"] > 0 and again["bytes"] > 0
+    p.stop()
+    assert not any("import-set" in n for n in os.listdir(sock_dir))
+    set_file.unlink()
+    p = preload(*args, env={**env, importset.ENV: "off"})
+    assert p.wait_ready(120)["rank_loads"][0]["import_prefetch"] is None
+    time.sleep(1)  # a rank would write its set right after READY
+    p.stop()
+    assert not set_file.exists()

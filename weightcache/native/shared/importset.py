@@ -1,0 +1,323 @@
+"""What a rank's start reads from disk, kept from one start to read it ahead at the next
+(torch-free).
+
+On a node whose page cache is cold (a reboot, a new pod on a busy node) a rank's start is not
+CPU work alone: `import torch` and the CUDA start fault in pieces of hundreds of shared
+libraries and read thousands of bytecode files, a few KiB at a time, each waiting on the disk.
+Beside the checkpoint's reads those small waits queue behind megabytes: measured on the H200
+VM, the rank's start took 5.8-7.7 s with every cache dropped against 4.2-4.4 s with only the
+model cold, and READY moved by as much. The early reads yield to page faults (diskshare.py),
+but bytecode is read with `read()`, which no fault counter sees.
+
+So after a start, the rank writes down its *import set* (`record`): the pages of every
+file-backed mapping the page cache holds (`/proc/self/maps`, `mincore(2)` on the mapped
+ranges) and every module's bytecode file, each with the file's identity (st_dev, st_ino,
+size, mtime_ns). At the next start, before torch is imported, `Prefetch` reads those ranges
+in large reads on a few threads, in file order: the disk serves them at its sequential rate in
+well under a second, the import then finds them in memory, and the early reads begin once
+that is done. A file whose identity changed (an upgrade) is skipped; a file is only read, and
+its bytes go nowhere but the page cache, so a wrong or stale list costs time, never
+correctness.
+
+The set lives in the daemon user's cache directory (`$XDG_CACHE_HOME/weightcache`, else
+`~/.cache/weightcache`) unless WEIGHTCACHE_IMPORT_SET names another file, or `off`: on
+Kubernetes, a path on a volume that outlives the agent's container keeps it across restarts.
+Not the socket directory: engines mount that, and it holds sockets only. The set is written
+atomically (a private temporary file, then rename) and read only if it is a regular file of
+ours, not writable by others, at most MAX_SET_BYTES long; anything else is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import libc
+
+PAGE = mmap.PAGESIZE
+ENV = "WEIGHTCACHE_IMPORT_SET"  # a path, or "off"; default: SET_NAME in the user's cache
+SET_NAME = "import-set.json"
+VERSION = 1
+MAX_SET_BYTES = 32 << 20  # the file itself
+MAX_FILES = 20_000
+MAX_BYTES = 4 << 30  # what one prefetch may read
+MAX_SECONDS = 10.0  # and for how long
+GAP = 256 << 10  # resident ranges closer than this are read as one
+READ_BYTES = 4 << 20  # one read
+THREADS = 8
+
+_mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+
+
+def set_path() -> Path | None:
+    """Where this rank's import set lives; None when turned off."""
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() in {"off", "0", "false", "no"}:
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "weightcache" / SET_NAME
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """[start, end) ranges, sorted and merged across gaps shorter than GAP."""
+    out: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1] + GAP:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _mapped_ranges() -> dict[str, list[tuple[int, int]]]:
+    """path -> the resident file ranges of this process' file-backed mappings."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    if _mincore is None:
+        return found
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith("(deleted)"):
+            continue
+        path = parts[5]
+        if path.startswith(("/dev/", "/proc/", "/sys/", "/memfd:")):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        offset = int(parts[2], 16)
+        length = hi - lo
+        pages = length // PAGE
+        if pages <= 0:
+            continue
+        vec = (ctypes.c_ubyte * pages)()
+        if _mincore(lo, length, vec) != 0:
+            continue
+        bits = np.frombuffer(vec, dtype=np.uint8) & 1
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], bits, [0])).astype(np.int8)))
+        ranges = found.setdefault(path, [])
+        for first, last in zip(edges[0::2], edges[1::2], strict=True):  # resident page runs
+            ranges.append((offset + int(first) * PAGE, offset + int(last) * PAGE))
+    return found
+
+
+def _module_files() -> set[str]:
+    """The bytecode (or source, or extension) file of every module imported from a file."""
+    files = set()
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        cached, source = getattr(spec, "cached", None), getattr(module, "__file__", None)
+        for name in (cached, source):
+            if isinstance(name, str) and name.startswith("/") and os.path.isfile(name):
+                files.add(name)
+                break
+    return files
+
+
+def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
+    """This process' import set (see the module's docstring); `exclude`: files never listed
+    (the checkpoint's: the fill reads those itself)."""
+    skip = {os.path.realpath(p) for p in exclude}
+    entries: dict[str, dict[str, Any]] = {}
+    for path, ranges in _mapped_ranges().items():
+        if not ranges or os.path.realpath(path) in skip:
+            continue
+        try:
+            st = os.stat(path)  # the identity a later start checks before reading
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        entries[path] = {"identity": _identity(st), "ranges": _coalesce(ranges)}
+    for path in sorted(_module_files()):
+        if path in entries or os.path.realpath(path) in skip:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size:
+            entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
+    files = [{"path": p, **e} for p, e in sorted(entries.items())][:MAX_FILES]
+    return {"version": VERSION, "files": files,
+            "bytes": sum(end - start for f in files for start, end in f["ranges"])}
+
+
+def record(path: Path, exclude: list[str | os.PathLike] = ()) -> dict[str, Any] | None:
+    """Write this process' import set to `path` (atomically, 0600); None if it cannot."""
+    found = collect(exclude)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _forget_stale(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(found, fh, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return found
+
+
+def _forget_stale(path: Path) -> None:
+    """Temporary files of writers that died before their rename (a rank stopped at once)."""
+    for tmp in path.parent.glob(f"{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 1 : -len(".tmp")]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    """The files of the import set at `path`; [] if there is none we can trust or parse."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                or st.st_mode & 0o022 or st.st_size > MAX_SET_BYTES):
+            return []
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = json.loads(fh.read(MAX_SET_BYTES + 1))
+    except (OSError, ValueError):
+        return []
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        return []
+    files = data.get("files")
+    if not isinstance(files, list):
+        return []
+    good = []
+    for f in files[:MAX_FILES]:
+        if not isinstance(f, dict) or not isinstance(f.get("path"), str):
+            continue
+        ident, ranges = f.get("identity"), f.get("ranges")
+        if (not isinstance(ident, list) or len(ident) != 4
+                or not all(isinstance(v, int) for v in ident) or not isinstance(ranges, list)):
+            continue
+        spans = [(r[0], r[1]) for r in ranges if isinstance(r, list) and len(r) == 2
+                 and all(isinstance(v, int) for v in r) and 0 <= r[0] < r[1]]
+        if spans:
+            good.append({"path": f["path"], "identity": ident, "ranges": spans})
+    return good
+
+
+class Prefetch:
+    """Read an import set into the page cache on THREADS threads; `done` is set when it is
+    read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
+
+    def __init__(self, files: list[dict[str, Any]]) -> None:
+        self.files = files
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._read = 0
+        self._files_read = 0
+        self._skipped = 0
+        self._started = 0.0
+        self._seconds = 0.0
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Prefetch:
+        self._started = time.monotonic()
+        if not self.files:
+            self.done.set()
+            return self
+        work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        for f in self.files:
+            work.put(f)
+        count = min(THREADS, len(self.files))
+        for _ in range(count):
+            work.put(None)
+        left = [count]
+
+        def worker() -> None:
+            buf = bytearray(READ_BYTES)
+            try:
+                while (f := work.get()) is not None:
+                    if self._stop.is_set() or self._over():
+                        continue
+                    self._one(f, memoryview(buf))
+            finally:
+                with self._lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    self._seconds = time.monotonic() - self._started
+                    self.done.set()
+
+        self._threads = [threading.Thread(target=worker, name=f"weightcache-prefetch-{i}",
+                                          daemon=True) for i in range(count)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _over(self) -> bool:
+        return self._read >= MAX_BYTES or time.monotonic() - self._started > MAX_SECONDS
+
+    def _one(self, f: dict[str, Any], buf: memoryview) -> None:
+        try:
+            fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            self._count(skipped=1)
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or _identity(st) != f["identity"]:
+                self._count(skipped=1)
+                return
+            got = 0
+            for start, end in f["ranges"]:
+                pos, end = start, min(end, st.st_size)
+                while pos < end and not self._stop.is_set():
+                    n = os.preadv(fd, [buf[: min(READ_BYTES, end - pos)]], pos)
+                    if n <= 0:
+                        break
+                    pos += n
+                    got += n
+            self._count(read=got, files=1)
+        except OSError:
+            self._count(skipped=1)
+        finally:
+            os.close(fd)
+
+    def _count(self, read: int = 0, files: int = 0, skipped: int = 0) -> None:
+        with self._lock:
+            self._read += read
+            self._files_read += files
+            self._skipped += skipped
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"files": self._files_read, "skipped": self._skipped, "bytes": self._read,
+                    "seconds": round(self._seconds if self.done.is_set()
+                                     else time.monotonic() - self._started, 4),
+                    "done": self.done.is_set()}
