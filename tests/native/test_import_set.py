@@ -71,7 +71,7 @@ def test_a_mapped_file_lists_the_pages_it_faulted_and_a_prefetch_reads_them_back
     pf = importset.Prefetch(files).start()
     assert pf.done.wait(30)
     stats = pf.stats()
-    assert stats["files"] == 1 and stats["skipped"] == 0 and stats["bytes"] >= 3 * PAGE
+    assert stats["files"] == 1 and stats["unread"] == 0 and stats["bytes"] >= 3 * PAGE
     assert _resident(lib, 300 * PAGE, PAGE) and _resident(lib, 3 * PAGE, 2 * PAGE)
 
 
@@ -87,7 +87,7 @@ def test_a_changed_file_is_skipped_and_module_files_are_whole(tmp_path):
     pf = importset.Prefetch([{"path": str(f), "identity": ident,
                               "ranges": [(0, 16 * PAGE)]}]).start()
     assert pf.done.wait(30)
-    assert pf.stats()["skipped"] == 1 and pf.stats()["bytes"] == 0
+    assert pf.stats()["unread"] == 1 and pf.stats()["bytes"] == 0
     fd = os.open(f, os.O_RDONLY)
     assert (resident_pages(fd, 0, 16 * PAGE) or (0, 0))[0] == 0
     os.close(fd)

@@ -240,7 +240,7 @@ class Prefetch:
         self._lock = threading.Lock()
         self._read = 0
         self._files_read = 0
-        self._skipped = 0
+        self._unread = 0
         self._started = 0.0
         self._seconds = 0.0
         self._threads: list[threading.Thread] = []
@@ -286,12 +286,12 @@ class Prefetch:
         try:
             fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
-            self._count(skipped=1)
+            self._count(unread=1)
             return
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or _identity(st) != f["identity"]:
-                self._count(skipped=1)
+                self._count(unread=1)
                 return
             got = 0
             for start, end in f["ranges"]:
@@ -304,22 +304,22 @@ class Prefetch:
                     got += n
             self._count(read=got, files=1)
         except OSError:
-            self._count(skipped=1)
+            self._count(unread=1)
         finally:
             os.close(fd)
 
-    def _count(self, read: int = 0, files: int = 0, skipped: int = 0) -> None:
+    def _count(self, read: int = 0, files: int = 0, unread: int = 0) -> None:
         with self._lock:
             self._read += read
             self._files_read += files
-            self._skipped += skipped
+            self._unread += unread
 
     def stop(self) -> None:
         self._stop.set()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"files": self._files_read, "skipped": self._skipped, "bytes": self._read,
+            return {"files": self._files_read, "unread": self._unread, "bytes": self._read,
                     "seconds": round(self._seconds if self.done.is_set()
                                      else time.monotonic() - self._started, 4),
                     "done": self.done.is_set()}
