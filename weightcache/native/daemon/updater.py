@@ -43,7 +43,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -454,20 +454,24 @@ class RankUpdater:
                 raise UpdateError(proto.E_BAD_REQUEST, f"rollback must be one of {ROLLBACK_MODES}")
             # The rollback copy (device to host) is taken while the new bytes are read: both
             # happen while engines keep serving, and neither waits for the other.
-            # It starts once staging is allocated, so that it sees the host memory left then.
-            allocated, outcome = threading.Event(), {"failed": False}
+            # It starts once staging is allocated, so that it sees the host memory left then
+            # (a push allocates inside its copy: its rollback copy starts after it).
             with ThreadPoolExecutor(1, thread_name_prefix="weightcache-rollback") as pool:
-                keeping = pool.submit(self._previous_copy, mode, allocated, outcome)
+                keeping: list[Future[tuple[torch.Tensor | None, str, float]]] = []
+
+                def allocated() -> None:
+                    keeping.append(pool.submit(self._previous_copy, mode))
+
                 try:
                     staged = self._read(conn, req, fds, allocated)
                 except BaseException:
-                    outcome["failed"] = True
-                    allocated.set()
-                    with contextlib.suppress(BaseException):
-                        keeping.result()
+                    for started in keeping:  # wait for it, and drop it
+                        with contextlib.suppress(BaseException):
+                            started.result()
                     raise
-                allocated.set()
-                staged.previous, staged.rollback_why, rollback_s = keeping.result()
+                if not keeping:
+                    allocated()
+                staged.previous, staged.rollback_why, rollback_s = keeping[0].result()
             staged.phases["rollback_seconds"] = round(rollback_s, 6)
             if staged.previous is not None and staged.previous.numel() != staged.buffer.numel():
                 staged.previous, staged.rollback_why = None, "the arena's size changed"
@@ -494,7 +498,7 @@ class RankUpdater:
             return fn()
 
     def _read(self, conn: socket.socket, req: dict[str, Any], fds: list[int],
-              allocated: threading.Event) -> Staged:
+              allocated: Callable[[], None]) -> Staged:
         """Stage and verify the new bytes; nothing the engines see changes here."""
         t0 = time.monotonic()
         cfg, server = self.config, self.server
@@ -523,7 +527,7 @@ class RankUpdater:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
             t_alloc = time.monotonic()
             buffer = _staging(layout.nbytes, server.device)
-            allocated.set()
+            allocated()
             t_read = time.monotonic()
             try:
                 # One pass: the parallel loader reads every byte of the files once into
@@ -563,18 +567,13 @@ class RankUpdater:
         return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
                       time.monotonic() - t0, digest, record, phases=phases)
 
-    def _previous_copy(self, mode: str, allocated: threading.Event, outcome: dict[str, bool]
-                       ) -> tuple[torch.Tensor | None, str, float]:
+    def _previous_copy(self, mode: str) -> tuple[torch.Tensor | None, str, float]:
         """The bytes served now, copied to host memory so that a failure after the write can
-        undo it: (the copy or None, why none, seconds), once staging is `allocated` (nothing
-        if the read failed meanwhile).
+        undo it: (the copy or None, why none, seconds).
 
         Taken while engines keep serving (nothing writes the arena before `update_write`, and
         the reserved slot keeps any other update out). Costs the arena's size in host memory
         (pinned on CUDA) from stage to finish, on top of staging: 2x the arena per rank."""
-        allocated.wait()
-        if outcome["failed"]:
-            return None, "", 0.0
         t0 = time.monotonic()
         device = self.server.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
