@@ -25,6 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+# torch-free: the probe times cold torch imports in child processes
+from weightcache.bench.gpu import timed_threads
+
 MiB = 1 << 20
 GB = 1e9
 
@@ -90,13 +93,7 @@ def hash_part(workdir: Path) -> dict:
             finally:
                 os.close(fd)
 
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=worker) for _ in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        rate = fsize / (time.perf_counter() - t0) / GB
+        rate = fsize / timed_threads(worker, threads) / GB
         out["warm_fill"].append({"chunk_kib": step >> 10, "hot_kib": hot >> 10,
                                  "threads": threads, "gb_per_s": round(rate, 2)})
         print("warm", step >> 10, hot >> 10, threads, round(rate, 2), flush=True)

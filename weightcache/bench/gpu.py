@@ -221,6 +221,17 @@ def time_load_file(files: list[Path]) -> dict[str, Any]:
     return {"seconds": round(dt, 3), "gb_per_s": round(total / dt / GB, 2)}
 
 
+def timed_threads(worker: Any, count: int) -> float:
+    """Seconds for `count` threads running `worker` to all finish."""
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=worker) for _ in range(count)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def raw_read_rate(files: list[Path], threads: int, direct: bool) -> dict[str, Any]:
     """Disk (or page cache) read rate alone: parallel large reads, no GPU involved."""
     import numpy as np
@@ -252,13 +263,7 @@ def raw_read_rate(files: list[Path], threads: int, direct: bool) -> dict[str, An
             for fd in fds.values():
                 os.close(fd)
 
-    t0 = time.perf_counter()
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    dt = time.perf_counter() - t0
+    dt = timed_threads(worker, threads)
     return {"threads": threads, "direct": direct, "seconds": round(dt, 3),
             "gb_per_s": round(total[0] / dt / GB, 2)}
 
