@@ -17,6 +17,7 @@ import ctypes
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from . import libc
 
@@ -59,22 +60,12 @@ def populated(nbytes: int, threads: int | None = None) -> mmap.mmap:
     if not rest:
         return buf
     count = max(1, min(threads or os.cpu_count() or 1, len(rest)))
-    lock = threading.Lock()
-    failed: list[int] = []
+    failed = threading.Event()  # no memory left: the rest comes on first touch, if at all
 
-    def work() -> None:
-        while True:
-            with lock:
-                if not rest or failed:
-                    return
-                at, length = rest.pop()
-            if not _populate(base + at, length):
-                failed.append(ctypes.get_errno())
+    def work(piece: tuple[int, int]) -> None:
+        if not failed.is_set() and not _populate(base + piece[0], piece[1]):
+            failed.set()
 
-    pool = [threading.Thread(target=work, name=f"weightcache-populate-{i}", daemon=True)
-            for i in range(count)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    with ThreadPoolExecutor(count, thread_name_prefix="weightcache-populate") as pool:
+        list(pool.map(work, rest))
     return buf
