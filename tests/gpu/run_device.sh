@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -122,6 +122,14 @@ while [ $# -gt 0 ]; do
       timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_io.py "$WORK" "$OUT/probe_io.json" \
         $(echo "${PROBE_PARTS:-hash,contend}" | tr , ' ') 2>&1 | tee "$OUT/probe_io.log"
       rm -rf "$WORK"
+      ;;
+    probe_staging)
+      # tests/gpu/probe_staging.py: fresh against reused host memory, the staging read, and
+      # registering a read-only mapping of the file itself (PROBE_GB, default 8).
+      shift
+      PROBE_DIR=/var/tmp/wc-probe-staging timeout "${BENCH_TIMEOUT:-300}" python3 \
+        tests/gpu/probe_staging.py 2>&1 | tee "$OUT/probe_staging.log"
+      rm -rf /var/tmp/wc-probe-staging
       ;;
     *) echo "unknown step $1"; shift ;;
   esac
