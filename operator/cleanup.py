@@ -1,12 +1,15 @@
-"""The Jobs that remove a deleted cache's warmup directory from each node (docs/warmup.md).
+"""The Jobs that remove a deleted cache's host directories from each node (docs/warmup.md).
 
-The directory holds compiled kernels and autotune tables an engine loads, so it must not
-outlive its cache: a later cache of another namespace or uid must never find it. The agent
-cannot do it (it has no API access and cannot tell a deletion from a restart), so the delete
-handler starts one Job per node that held the cache, pinned by `nodeName`:
-- init container, as the cache's uid with no capabilities: empties `<cacheDir>` (the files
-  are the uid's own, 0700);
-- container, as uid 0 with **no** capabilities: removes the now-empty `<cacheDir>` from its
+Two directories outlive the cache's pods: the warmup directory, which holds compiled kernels
+and autotune tables an engine loads, so it must not outlive its cache (a later cache of
+another namespace or uid must never find it); and, for runtime native, the daemons' state
+directory (their import set, `resources.daemon_state_dir`), on disk under /var/lib, where
+nothing else would ever remove it. The agent cannot do it (it has no API access and cannot
+tell a deletion from a restart), so the delete handler starts one Job per node that held the
+cache, pinned by `nodeName`, for both:
+- init container, as the cache's uid with no capabilities: empties each directory (the
+  files are the uid's own, 0700);
+- container, as uid 0 with **no** capabilities: removes each now-empty directory from its
   parent, which root owns (no DAC override needed).
 The finalizer does not wait for the Jobs (a dead node would block the deletion forever);
 `ttlSecondsAfterFinished` removes them, `activeDeadlineSeconds` bounds a Job that cannot run.
@@ -20,17 +23,20 @@ from typing import Any
 
 from weightcache import constants
 from weightcache.api.v1alpha1 import WeightCacheSpec
-from weightcache.operator.resources import AgentOptions
+from weightcache.operator.resources import AgentOptions, daemon_state_dir
 
-PARENT_VOLUME = "warmup-parent"
+PARENT_VOLUME = "parent"
 DEADLINE_S = 300
 TTL_S = 600
 BACKOFF = 2
-# `find -P` never follows a symlink, the start point included; a symlinked directory is
-# refused rather than emptied.
-EMPTY_SCRIPT = ('test -e "$0" || test -L "$0" || exit 0; test -L "$0" && exit 1; '
-                'find "$0" -mindepth 1 -delete')
-REMOVE_SCRIPT = 'test -e "$0" || test -L "$0" || exit 0; rmdir "$0"'
+# Each script takes the directories as its arguments ($0 "$@"): a missing one is done already;
+# one that fails does not keep the others from being cleaned, but fails the step. `find -P`
+# never follows a symlink, the start point included; a symlinked directory is refused rather
+# than emptied.
+EMPTY_SCRIPT = ('rc=0; for d in "$0" "$@"; do if test -L "$d"; then rc=1; '
+                'elif test -e "$d"; then find "$d" -mindepth 1 -delete || rc=1; fi; done; exit $rc')
+REMOVE_SCRIPT = ('rc=0; for d in "$0" "$@"; do test -e "$d" || test -L "$d" || continue; '
+                 'rmdir "$d" || rc=1; done; exit $rc')
 
 
 def labels(name: str) -> dict[str, str]:
@@ -43,16 +49,27 @@ def nodes_to_clean(status: Mapping[str, Any], labelled: list[str]) -> list[str]:
     return sorted(found | set(labelled))
 
 
+def targets(cache: Mapping[str, Any], spec: WeightCacheSpec) -> list[str]:
+    """The cache's host directories that outlive its pods (empty: nothing to clean)."""
+    found = [str(spec.warmup.cache_dir)] if spec.warmup.enabled is True else []
+    state = daemon_state_dir(cache, spec)
+    return found + ([state] if state is not None else [])
+
+
 def job(cache: Mapping[str, Any], spec: WeightCacheSpec, node: str,
         options: AgentOptions) -> dict[str, Any]:
+    """The node's Job removing `targets(cache, spec)` (call only when there are some)."""
     meta = cache["metadata"]
     name, namespace = meta["name"], meta["namespace"]
-    target = str(spec.warmup.cache_dir)
-    parent = posixpath.dirname(target)
+    dirs = targets(cache, spec)
+    # Each directory's parent, mounted at the same path (one volume per distinct parent).
+    parents = list(dict.fromkeys(posixpath.dirname(d) for d in dirs))
+    volumes = [{"name": f"{PARENT_VOLUME}-{i}", "hostPath": {"path": p, "type": "Directory"}}
+               for i, p in enumerate(parents)]
+    mount = [{"name": v["name"], "mountPath": v["hostPath"]["path"]} for v in volumes]
     run_as = spec.run_as
     restricted = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                   "capabilities": {"drop": ["ALL"]}}
-    mount = [{"name": PARENT_VOLUME, "mountPath": parent}]
     small = {"requests": {"cpu": "10m", "memory": "16Mi"}}
     pod_labels = labels(name)
     return {
@@ -73,13 +90,12 @@ def job(cache: Mapping[str, Any], spec: WeightCacheSpec, node: str,
                     "enableServiceLinks": False,
                     "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "tolerations": list(spec.placement.tolerations or []),
-                    "volumes": [{"name": PARENT_VOLUME,
-                                 "hostPath": {"path": parent, "type": "Directory"}}],
+                    "volumes": volumes,
                     "initContainers": [{
                         "name": "empty",
                         "image": options.image,
                         "imagePullPolicy": options.image_pull_policy,
-                        "command": ["sh", "-c", EMPTY_SCRIPT, target],
+                        "command": ["sh", "-c", EMPTY_SCRIPT, *dirs],
                         "securityContext": {**restricted, "runAsUser": run_as.uid,
                                             "runAsGroup": run_as.gid,
                                             "runAsNonRoot": run_as.uid != 0},
@@ -90,7 +106,7 @@ def job(cache: Mapping[str, Any], spec: WeightCacheSpec, node: str,
                         "name": "remove",
                         "image": options.image,
                         "imagePullPolicy": options.image_pull_policy,
-                        "command": ["sh", "-c", REMOVE_SCRIPT, target],
+                        "command": ["sh", "-c", REMOVE_SCRIPT, *dirs],
                         "securityContext": {**restricted, "runAsUser": 0,
                                             "runAsNonRoot": False},
                         "resources": small,

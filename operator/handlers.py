@@ -16,7 +16,8 @@ Shape of the machinery:
   conditions, and a Warning event. Objects created in a pass that then fails are deleted again,
   so no half-built group is left behind.
 - deletion: kopf's finalizer holds the object until the owned objects and node labels are gone;
-  one Job per node that held the cache removes its warmup directory (operator/cleanup.py).
+  one Job per node that held the cache removes its warmup and daemon state directories
+  (operator/cleanup.py).
 """
 
 from __future__ import annotations
@@ -957,16 +958,20 @@ class Controller:
             info.name: info.labels for store in nodes_index.values() for info in store
         }
         label = constants.node_ready_label(namespace, name)
-        await self._clean_warmup(body, [n for n, lb in labels_by_node.items() if label in lb])
+        await self._clean_host_dirs(body, [n for n, lb in labels_by_node.items() if label in lb])
         await node_labels.sync_labels(self.kube, namespace, name, labels_by_node, ())
         self.forget((namespace, name))
 
-    async def _clean_warmup(self, body: Mapping[str, Any], labelled: list[str]) -> None:
-        """One Job per node that held the cache removes its warmup directory (operator/
-        cleanup.py). Never blocks the deletion: a refused Job is a Warning event."""
+    async def _clean_host_dirs(self, body: Mapping[str, Any], labelled: list[str]) -> None:
+        """One Job per node that held the cache removes its warmup and daemon state
+        directories (operator/cleanup.py). Never blocks the deletion: a refused Job is a
+        Warning event."""
         assert self.kube is not None
         spec = WeightCacheSpec.from_object(body)
-        if spec.warmup.enabled is not True or validate(spec):
+        if validate(spec):
+            return
+        dirs = cleanup.targets(body, spec)
+        if not dirs:
             return
         meta = body["metadata"]
         status_ = dict(self.statuses.get((meta["namespace"], meta["name"]))
@@ -979,8 +984,8 @@ class Controller:
                 if isinstance(exc, ApiError) and exc.status == 409:
                     continue  # this cache's Job for the node exists already
                 await self.event(body, "Warning", "CleanupFailed",
-                                 f"the warmup directory {spec.warmup.cache_dir} on node {node} "
-                                 f"is not removed: Job {job['metadata']['name']}: {exc}")
+                                 f"the host directories {', '.join(dirs)} on node {node} are "
+                                 f"not removed: Job {job['metadata']['name']}: {exc}")
 
 
 def model_of(spec: WeightCacheSpec) -> dict[str, str]:

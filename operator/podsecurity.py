@@ -5,9 +5,11 @@ The built-in PodSecurity admission plugin rejects pods that break the level a na
 forbids hostPath volumes and host namespaces (k8s.io/pod-security-admission, policy
 check_hostPathVolumes.go and check_hostNamespaces.go). Every agent pod mounts the socket
 directory from the host, and every engine pod the webhook injects mounts it too, for both
-runtimes; runtime `vllm` agents also use hostPID and hostIPC and its engines hostIPC. So a cache
-works only in a namespace at `privileged`. The reconciler reads the namespace's label to say so in
-status before any pod is refused, and recognises the DaemonSet controller's refusals.
+runtimes (the warmup directory as well while `spec.warmup.enabled`); runtime `native` agents
+also mount their daemons' state directory (never engines), runtime `vllm` agents use hostPID
+and hostIPC and its engines hostIPC. So a cache works only in a namespace at `privileged`. The
+reconciler reads the namespace's label to say so in status before any pod is refused, and
+recognises the DaemonSet controller's refusals.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ def enforced_level(namespace: Mapping[str, Any] | None) -> str:
 
 def agent_needs(runtime: str) -> list[str]:
     """What in an agent pod needs the `privileged` level (the checks `baseline` fails)."""
-    needs = ["hostPath volumes (the socket and warmup directories shared with engines)"]
+    dirs = "the socket and warmup directories shared with engines"
+    if runtime == "native":
+        dirs += ", the daemons' state directory"
+    needs = [f"hostPath volumes ({dirs})"]
     if runtime == "vllm":
         needs.append("hostPID and hostIPC (stock vLLM CUDA IPC)")
     return needs

@@ -29,6 +29,7 @@ from weightcache.contracts.plan import SEED_KEY, Plan, SeedSource
 
 ANN_PLAN_HASH = f"{constants.GROUP}/plan-hash"
 WARMUP_VOLUME = "warmup"
+STATE_VOLUME = "daemon-state"
 SEED_VOLUME = "seed-token"
 AGENT_CONTAINER = "agent"
 PLAN_MOUNT_DIR = "/etc/weightcache"
@@ -278,7 +279,17 @@ def _agent_resources(
     return out
 
 
-def _env(name: str, spec: WeightCacheSpec) -> list[dict[str, Any]]:
+def daemon_state_dir(cache: Mapping[str, Any], spec: WeightCacheSpec) -> str | None:
+    """The host directory where the cache's daemons keep state across agent pods (their
+    import set, weightcache.native.shared.importset); None for runtime vllm, whose daemon is
+    vLLM's own and keeps none. One per cache, never mounted into engines."""
+    if spec.runtime != "native":
+        return None
+    meta = cache["metadata"]
+    return constants.daemon_state_dir(meta["namespace"], meta["name"])
+
+
+def _env(name: str, spec: WeightCacheSpec, state_dir: str | None) -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
 
@@ -291,6 +302,10 @@ def _env(name: str, spec: WeightCacheSpec) -> list[dict[str, Any]]:
         {"name": constants.ENV_PLAN, "value": f"{PLAN_MOUNT_DIR}/{constants.PLAN_KEY}"},
         {"name": "HOME", "value": "/tmp"},
     ]
+    if state_dir is not None:
+        # The daemons inherit it: their import set outlives the pod (/tmp does not).
+        env.append({"name": constants.ENV_IMPORT_SET,
+                    "value": f"{state_dir}/{constants.IMPORT_SET_NAME}"})
     if spec.needs_gpus:
         # No GPU requests: the agent sees every GPU of the node and pins one rank per GPU.
         env += [
@@ -345,14 +360,22 @@ def daemonset(
     }
     private_dirs = [socket_dir]
     dir_mounts = [{"name": "sockets", "mountPath": socket_dir}]
-    warmup_dir = spec.warmup.cache_dir
+
+    def private_host_dir(volume: str, host_dir: str) -> None:
+        """Another host directory of the cache, at the same path, made the uid's (0700)."""
+        volumes.append({"name": volume,
+                        "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}})
+        mounts.append({"name": volume, "mountPath": host_dir})
+        dir_mounts.append({"name": volume, "mountPath": host_dir})
+        private_dirs.append(host_dir)
+
     if spec.warmup.enabled:
         # The warmup caches (docs/warmup.md): on disk, shared with the engines of this cache.
-        volumes.append({"name": WARMUP_VOLUME,
-                        "hostPath": {"path": warmup_dir, "type": "DirectoryOrCreate"}})
-        mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
-        dir_mounts.append({"name": WARMUP_VOLUME, "mountPath": warmup_dir})
-        private_dirs.append(str(warmup_dir))
+        private_host_dir(WARMUP_VOLUME, str(spec.warmup.cache_dir))
+    state_dir = daemon_state_dir(cache, spec)
+    if state_dir is not None:
+        # The daemons' own state (their import set): on disk, never shared with engines.
+        private_host_dir(STATE_VOLUME, state_dir)
     token_of = seed_token_source(spec, name)
     if token_of is not None:
         # Optional: a target whose source has no token yet starts without seeding instead of
@@ -368,7 +391,8 @@ def daemonset(
     init_containers = [
         {
             # hostPath directories are created root-owned; the daemons (and engines) run as
-            # runAs.uid and the daemons demand a private 0700 directory.
+            # runAs.uid and the daemons demand private 0700 directories (sockets, warmup
+            # caches, their own state).
             "name": "socket-dir",
             "image": options.image,
             "imagePullPolicy": options.image_pull_policy,
@@ -409,7 +433,7 @@ def daemonset(
         "command": ["python3", "-c", AGENT_BOOT_VLLM]
         if vllm
         else ["python3", "-m", "weightcache.cli", "agent"],
-        "env": _env(name, spec),
+        "env": _env(name, spec, state_dir),
         "ports": [
             {"name": "grpc", "containerPort": ports.grpc, "protocol": "TCP"},
             {"name": "metrics", "containerPort": ports.metrics, "protocol": "TCP"},

@@ -276,15 +276,23 @@ def _check_model(spec: WeightCacheSpec) -> list[Problem]:
                 )
             )
     problems += _check_volume(model.volume, spec)
-    if isinstance(mount, str) and isinstance(spec.socket_dir, str):
-        sock = posixpath.normpath(spec.socket_dir)
-        if _under(sock, posixpath.normpath(mount)) or _under(posixpath.normpath(mount), sock):
-            problems.append(
-                Problem(
-                    "spec.model.mountPath",
-                    f"{mount} overlaps the socket directory {spec.socket_dir}; keep them apart",
-                )
+    if isinstance(mount, str) and isinstance(spec.socket_dir, str) \
+            and _overlap(spec.socket_dir, mount):
+        problems.append(
+            Problem(
+                "spec.model.mountPath",
+                f"{mount} overlaps the socket directory {spec.socket_dir}; keep them apart",
             )
+        )
+    if spec.runtime == "native" and isinstance(mount, str) and posixpath.isabs(mount) \
+            and _overlap(mount, constants.DAEMON_STATE_ROOT):
+        problems.append(
+            Problem(
+                "spec.model.mountPath",
+                f"{mount} overlaps {constants.DAEMON_STATE_ROOT}, where the daemons keep their "
+                "state; mount the model elsewhere, e.g. /models",
+            )
+        )
     return problems
 
 
@@ -491,6 +499,11 @@ def _check_host_dir(value: Any, field: str, example: str) -> list[Problem]:
         return [Problem(field, f"{value} is a system path; use {example}")]
     if _under(norm, posixpath.dirname(DEFAULT_PLAN_PATH)):
         return [Problem(field, "collides with the agent's plan directory")]
+    if _overlap(norm, constants.DAEMON_STATE_ROOT):
+        # Each cache's daemons keep their state there (operator/resources.daemon_state_dir),
+        # mounted into no engine: a directory engines mount must not reach it.
+        return [Problem(field, f"{value} overlaps {constants.DAEMON_STATE_ROOT}, where the "
+                               f"daemons keep their state; use {example}")]
     return []
 
 
@@ -514,11 +527,9 @@ def _check_warmup(spec: WeightCacheSpec) -> list[Problem]:
     if "model" not in spec.malformed:
         others.append(("spec.model.mountPath", spec.model.mount_path))
     for name, other in others:
-        if isinstance(other, str) and posixpath.isabs(other):
-            o = posixpath.normpath(other)
-            if _under(norm, o) or _under(o, norm):
-                problems.append(Problem(field, f"{warmup.cache_dir} overlaps {name} {other}; "
-                                               "keep them apart"))
+        if isinstance(other, str) and posixpath.isabs(other) and _overlap(norm, other):
+            problems.append(Problem(field, f"{warmup.cache_dir} overlaps {name} {other}; "
+                                           "keep them apart"))
     return problems
 
 
@@ -591,6 +602,12 @@ def _int(value: Any, default: int) -> int:
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether one path lies within the other (normalized first)."""
+    a, b = posixpath.normpath(a), posixpath.normpath(b)
+    return _under(a, b) or _under(b, a)
 
 
 def _divisors(n: int) -> list[int]:

@@ -34,6 +34,11 @@ ANN_EPOCH = f"{GROUP}/epoch"
 DEFAULT_SOCKET_ROOT = "/var/run/weightcache"
 # On disk (FHS /var/cache: regenerable, survives reboots), unlike the sockets' tmpfs /var/run.
 DEFAULT_WARMUP_ROOT = "/var/cache/weightcache"
+# The native daemons' own state, kept from one agent pod to the next (the import set): one
+# directory per cache under this root, never mounted into engines. Derived, not a spec field:
+# it is small (at most 32 MiB), shared with nobody, and /var/lib is writable wherever a node
+# runs pods (the kubelet keeps its own state in /var/lib/kubelet).
+DAEMON_STATE_ROOT = "/var/lib/weightcache/daemon-state"
 PLAN_KEY = "plan.json"
 DEFAULT_PLAN_PATH = "/etc/weightcache/plan.json"
 
@@ -57,6 +62,9 @@ ENV_LOADING_WAIT = "WEIGHTCACHE_LOADING_WAIT_S"
 ENV_CACHE = "WEIGHTCACHE_CACHE"
 # The per-cache compile directory of weightcache's own torch.compile helpers (engine side).
 ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
+# A daemon rank's import set (weightcache.native.shared.importset): a file path, or "off".
+ENV_IMPORT_SET = "WEIGHTCACHE_IMPORT_SET"
+IMPORT_SET_NAME = "import-set.json"
 
 # Environment of agent pods (downward API and plan path).
 ENV_CACHE_NAME = "WEIGHTCACHE_CACHE_NAME"
@@ -80,6 +88,10 @@ def default_socket_dir(namespace: str, name: str) -> str:
 
 def default_warmup_dir(namespace: str, name: str) -> str:
     return f"{DEFAULT_WARMUP_ROOT}/{namespace}/{name}"
+
+
+def daemon_state_dir(namespace: str, name: str) -> str:
+    return f"{DAEMON_STATE_ROOT}/{namespace}/{name}"
 
 
 def agent_daemonset_name(name: str) -> str:

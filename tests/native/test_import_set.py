@@ -160,10 +160,13 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert any(f["path"].endswith(".pyc") for f in files)
     assert not any(f["path"].endswith(".safetensors") for f in files)
     p.stop()
+    written = set_file.stat().st_mtime_ns
     p = preload(*args, env=env)
     again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
     assert again["done"] and again["files"] > 0 and again["bytes"] > 0
+    time.sleep(1)  # a rank would write its set right after READY
     p.stop()
+    assert set_file.stat().st_mtime_ns == written  # it still matched: kept as it was
     assert not any("import-set" in n for n in os.listdir(sock_dir))
     set_file.unlink()
     p = preload(*args, env={**env, importset.ENV: "off"})
@@ -171,3 +174,20 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     time.sleep(1)  # a rank would write its set right after READY
     p.stop()
     assert not set_file.exists()
+
+
+def test_a_set_is_written_anew_only_when_missing_or_stale(tmp_path):
+    """A start on a warm node would record every cached page of the libraries it maps, so a
+    set that still matches is kept; none, or one naming a changed file, is written anew."""
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"x" * 8192)
+    ident = importset._identity(lib.stat())
+    fresh = importset.Prefetch([{"path": str(lib), "identity": ident, "ranges": [(0, 8192)]}])
+    fresh.start().done.wait(10)
+    assert fresh.stats()["files"] == 1 and not fresh.needs_record()
+    nothing = importset.Prefetch([]).start()
+    assert nothing.needs_record()
+    stale = importset.Prefetch([{"path": str(lib), "identity": [ident[0], ident[1] + 1],
+                                 "ranges": [(0, 8192)]}])
+    stale.start().done.wait(10)
+    assert stale.stats()["unread"] == 1 and stale.needs_record()

@@ -384,15 +384,17 @@ def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():
     """Item 6: Pod Security baseline refuses agents (hostPath; vllm also host namespaces)."""
     native = _ds(["n1", "n2"])["spec"]["template"]["spec"]
     assert apirules.pod_security_violations(native, "privileged") == []
-    # The socket and warmup directories always; the model too when it is read from the node
-    # (the default).
+    # The socket and warmup directories always, the daemons' state for runtime native; the
+    # model too when it is read from the node (the default).
     assert apirules.pod_security_violations(native, "baseline") == [
         "hostPath volume 'sockets'",
         "hostPath volume 'model'",
         "hostPath volume 'warmup'",
+        "hostPath volume 'daemon-state'",
     ]
-    assert podsecurity.agent_needs("native") == ["hostPath volumes (the socket and warmup "
-                                                 "directories shared with engines)"]  # fmt: skip
+    assert podsecurity.agent_needs("native") == [
+        "hostPath volumes (the socket and warmup directories shared with engines, the daemons' "
+        "state directory)"]  # fmt: skip
     cache = {"metadata": {"name": "v", "namespace": "ml", "uid": "u"}}
     spec = with_defaults({"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
                           "model": {"path": "/m"}}, "ml", "v")  # fmt: skip
@@ -402,6 +404,10 @@ def test_item6_agent_pods_need_the_privileged_level_for_both_runtimes():
     found = apirules.pod_security_violations(vllm, "baseline")
     assert "hostPID=true" in found and "hostIPC=true" in found
     assert any("hostPath" in f for f in found)
+    assert "hostPath volume 'daemon-state'" not in found  # vLLM's daemon keeps no state
+    assert podsecurity.agent_needs("vllm") == [
+        "hostPath volumes (the socket and warmup directories shared with engines)",
+        "hostPID and hostIPC (stock vLLM CUDA IPC)"]  # fmt: skip
 
 
 async def test_the_kmock_guard_answers_422_like_the_api_server(cluster, api_guard):

@@ -1,7 +1,9 @@
-"""The cleanup Job's two steps really remove a warmup directory, and nothing outside it.
+"""The cleanup Job's two steps really remove a cache's host directories (the warmup directory,
+the native daemons' state directory), and nothing outside them.
 
 The scripts are run with the node's shell on a real tree (files, nested directories, a
-symlink to a directory outside the cache, which `find -P` must not follow)."""
+symlink to a directory outside the cache, which `find -P` must not follow); the Job's own
+directory arguments are replaced by the test's (the state directory is /var/lib/...)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,18 @@ from weightcache.testing import apirules
 CACHE = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}}
 
 
-def run(job: dict, target: Path) -> None:
+def run(job: dict, *targets: Path) -> None:
     pod = job["spec"]["template"]["spec"]
     for c in (*pod["initContainers"], *pod["containers"]):
-        argv = [*c["command"][:-1], str(target)]
+        argv = [*c["command"][:3], *map(str, targets)]
         subprocess.run(argv, check=True, timeout=30)
+
+
+def dirs(job: dict) -> tuple[list[str], list[str], list[dict]]:
+    """What each step removes, and the Job's volumes."""
+    pod = job["spec"]["template"]["spec"]
+    return (pod["initContainers"][0]["command"][3:], pod["containers"][0]["command"][3:],
+            pod["volumes"])
 
 
 def test_the_job_empties_and_removes_the_directory_without_following_symlinks(tmp_path):
@@ -35,10 +44,41 @@ def test_the_job_empties_and_removes_the_directory_without_following_symlinks(tm
     job = cleanup.job(CACHE, spec, "gpu-a", resources.AgentOptions())
     assert apirules.check(job) == []
     assert job["spec"]["template"]["spec"]["volumes"][0]["hostPath"]["path"] == str(warm.parent)
-    run(job, warm)
+    state = tmp_path / "state" / "ml" / "llama"  # for /var/lib/weightcache/daemon-state/...
+    state.mkdir(parents=True)
+    (state / "import-set.json").write_text("{}")
+    run(job, warm, state)
     assert not warm.exists() and warm.parent.exists()
+    assert not state.exists() and state.parent.exists()
     assert (outside / "precious").read_text() == "keep"
-    run(job, warm)  # a retry (or a node that never held it) succeeds and changes nothing
+    run(job, warm, state)  # a retry (or a node that never held it) succeeds and changes nothing
+
+
+def test_a_native_cache_cleans_its_warmup_and_daemon_state_directories():
+    spec = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/models/m"}},
+                                     "ml", "llama")
+    job = cleanup.job(CACHE, spec, "gpu-a", resources.AgentOptions())
+    assert apirules.check(job) == []
+    both = ["/var/cache/weightcache/ml/llama", "/var/lib/weightcache/daemon-state/ml/llama"]
+    empty, remove, volumes = dirs(job)
+    assert empty == remove == both == cleanup.targets(CACHE, spec)
+    assert [v["name"] for v in volumes] == ["parent-0", "parent-1"]
+    assert [v["hostPath"] for v in volumes] == [
+        {"path": "/var/cache/weightcache/ml", "type": "Directory"},
+        {"path": "/var/lib/weightcache/daemon-state/ml", "type": "Directory"},
+    ]
+    mounts = job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert mounts == [{"name": "parent-0", "mountPath": "/var/cache/weightcache/ml"},
+                      {"name": "parent-1",
+                       "mountPath": "/var/lib/weightcache/daemon-state/ml"}]
+    # Warmup off: the state directory alone; runtime vllm keeps none (warmup alone, or nothing).
+    off = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/models/m"},
+                                     "warmup": {"enabled": False}}, "ml", "llama")
+    assert dirs(cleanup.job(CACHE, off, "gpu-a", resources.AgentOptions()))[0] == both[1:]
+    vllm = {"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0", "model": {"path": "/m"}}
+    assert cleanup.targets(CACHE, WeightCacheSpec.from_spec(vllm, "ml", "llama")) == both[:1]
+    assert cleanup.targets(CACHE, WeightCacheSpec.from_spec(
+        {**vllm, "warmup": {"enabled": False}}, "ml", "llama")) == []
 
 
 def test_a_symlinked_directory_is_refused_not_followed(tmp_path):
@@ -51,8 +91,13 @@ def test_a_symlinked_directory_is_refused_not_followed(tmp_path):
                                       "warmup": {"cacheDir": str(warm)}}, "ml", "llama")
     job = cleanup.job(CACHE, spec, "gpu-a", resources.AgentOptions())
     empty = job["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    assert subprocess.run([*empty[:-1], str(warm)], timeout=30).returncode != 0
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "import-set.json").write_text("{}")
+    assert subprocess.run([*empty[:3], str(warm), str(state)], timeout=30).returncode != 0
     assert (outside / "precious").read_text() == "keep"
+    # The other directory is emptied all the same.
+    assert state.exists() and list(state.iterdir()) == []
 
 
 def test_job_names_are_labels_and_differ_per_node_and_cache_object():

@@ -263,14 +263,15 @@ async def test_delete_removes_everything(cluster, operator):
     assert await cluster.get(cm_url("llama")) is None
     for n in ("gpu-a", "gpu-b"):
         assert key not in (await cluster.get(f"/api/v1/nodes/{n}"))["metadata"].get("labels", {})
-    # The warmup directory: one cleanup Job per node that held the cache (operator/cleanup.py).
+    # The warmup directory: one cleanup Job per node that held the cache (operator/cleanup.py;
+    # runtime vllm has no daemon state directory).
     jobs = await cluster.list(f"/apis/batch/v1/namespaces/{NS}/jobs")
     jobs = [j for j in jobs if j["metadata"]["labels"].get("weightcache.io/cleanup") == "llama"]
     assert sorted(j["spec"]["template"]["spec"]["nodeName"] for j in jobs) == ["gpu-a", "gpu-b"]
     warm = f"/var/cache/weightcache/{NS}/llama"
     for j in jobs:
         pod = j["spec"]["template"]["spec"]
-        assert pod["volumes"] == [{"name": "warmup-parent", "hostPath": {
+        assert pod["volumes"] == [{"name": "parent-0", "hostPath": {
             "path": f"/var/cache/weightcache/{NS}", "type": "Directory"}}]
         empty, remove = pod["initContainers"][0], pod["containers"][0]
         assert empty["command"][-1] == warm and remove["command"][-1] == warm

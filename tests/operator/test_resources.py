@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+from pathlib import Path
 
 from weightcache import constants
 from weightcache.api.v1alpha1 import WeightCacheSpec, with_defaults
@@ -96,13 +100,91 @@ def test_agent_pod_has_no_gpu_requests_and_keeps_user_affinity():
     assert pod["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
     init = pod["initContainers"][0]
-    # Both host directories of the cache are made the uid's, 0700: sockets and warmup caches.
+    # Every host directory of the cache is made the uid's, 0700: sockets, warmup caches and
+    # the daemons' state.
     assert init["command"][3:] == ["/var/run/weightcache/ml/llama",
-                                   "/var/cache/weightcache/ml/llama"]
+                                   "/var/cache/weightcache/ml/llama",
+                                   "/var/lib/weightcache/daemon-state/ml/llama"]
     ann = ds["spec"]["template"]["metadata"]["annotations"]
     assert ann[constants.ANN_EPOCH] == "3"
     assert ann[resources.ANN_PLAN_HASH] == resources.plan_hash(doc)
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "100%"
+
+
+def _state(ds: dict) -> tuple[dict, dict, dict, dict]:
+    """The daemons' state volume, the agent's mount of it, its env and the init container."""
+    pod = ds["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    volume = {v["name"]: v for v in pod["volumes"]}.get(resources.STATE_VOLUME)
+    mount = {m["name"]: m for m in agent["volumeMounts"]}.get(resources.STATE_VOLUME)
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    return volume, mount, env, pod["initContainers"][0]
+
+
+def test_native_daemons_keep_their_import_set_in_a_private_host_dir_of_the_cache(
+        tmp_path, monkeypatch):
+    from weightcache.native.shared import importset
+
+    raw = {"runtime": "native", "model": {"path": "/models/m"}, "runAs": {"uid": 1234,
+                                                                        "gid": 4321}}
+    _, _, ds = _build(raw)
+    volume, mount, env, init = _state(ds)
+    state = "/var/lib/weightcache/daemon-state/ml/llama"  # cache llama in namespace ml
+    assert volume == {"name": "daemon-state",
+                      "hostPath": {"path": state, "type": "DirectoryOrCreate"}}
+    assert mount == {"name": "daemon-state", "mountPath": state}  # read-write
+    assert env[constants.ENV_IMPORT_SET] == f"{state}/import-set.json"
+    monkeypatch.setenv(importset.ENV, env[constants.ENV_IMPORT_SET])  # what a rank inherits
+    assert importset.set_path() == Path(state) / "import-set.json"
+    # Neither the socket directory (engines mount it) nor the warmup directory.
+    pod = ds["spec"]["template"]["spec"]
+    others = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]
+              if "hostPath" in v and v["name"] != "daemon-state"}
+    assert others == {"sockets": "/var/run/weightcache/ml/llama", "model": "/models",
+                      "warmup": "/var/cache/weightcache/ml/llama"}
+    # The root init container makes it 1234:4321 0700, like the other private directories.
+    assert {"name": "daemon-state", "mountPath": state} in init["volumeMounts"]
+    assert init["command"][3:][-1] == state
+    assert "chown 1234:4321 \"$d\" && chmod 0700 \"$d\"" in init["command"][2]
+    # The script itself, on real directories, chowning to this test's own uid.
+    _, _, mine = _build({**raw, "runAs": {"uid": os.getuid(), "gid": os.getgid()}})
+    script = _state(mine)[3]["command"][:3]
+    dirs = [tmp_path / "sockets", tmp_path / "state"]
+    for d in dirs:
+        d.mkdir(mode=0o755)
+    subprocess.run([*script, *map(str, dirs)], check=True, timeout=30)
+    for d in dirs:
+        st = d.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+
+
+def test_two_caches_on_a_node_never_share_a_daemon_state_dir():
+    seen = {}
+    for namespace, name in (("ml", "llama"), ("ml", "mistral"), ("other", "llama")):
+        cache = {"metadata": {"name": name, "namespace": namespace, "uid": f"u-{name}"}}
+        spec = WeightCacheSpec.from_spec({"runtime": "native", "model": {"path": "/models/m"}},
+                                         namespace, name)
+        doc = resources.plan(cache, spec, ["n0"], epoch=1)
+        volume, mount, env, _ = _state(resources.daemonset(cache, spec, doc, ["n0"],
+                                                           resources.AgentOptions()))
+        path = volume["hostPath"]["path"]
+        want = f"/var/lib/weightcache/daemon-state/{namespace}/{name}"
+        assert mount["mountPath"] == path == want
+        assert env[constants.ENV_IMPORT_SET] == f"{path}/import-set.json"
+        seen[(namespace, name)] = Path(path)
+    paths = list(seen.values())
+    assert len(set(paths)) == 3
+    # Not only different: none lies inside another.
+    assert not any(a != b and a.is_relative_to(b) for a in paths for b in paths)
+
+
+def test_vllm_agents_get_no_daemon_state_dir():
+    _, _, ds = _build({"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0",
+                       "model": {"path": "/models/m"}})
+    volume, mount, env, init = _state(ds)
+    assert volume is None and mount is None and constants.ENV_IMPORT_SET not in env
+    assert init["command"][3:] == ["/var/run/weightcache/ml/llama",
+                                   "/var/cache/weightcache/ml/llama"]
 
 
 def test_vllm_agent_runs_in_the_engine_image_with_host_namespaces():

@@ -57,6 +57,13 @@ def test_problem_is_a_dataclass_with_field_and_message():
         ({"ports": {"rendezvous": 9479}}, "spec.ports.grpc", "already used"),
         ({"socketDir": "/var/run/../etc"}, "spec.socketDir", "normal form"),
         ({"socketDir": "/etc/x"}, "spec.socketDir", "system path"),
+        # Every native cache's daemon state lies there, and no engine may mount it.
+        ({"socketDir": "/var/lib/weightcache/daemon-state/ml/x"}, "spec.socketDir",
+         "overlaps /var/lib/weightcache/daemon-state, where the daemons keep their state"),
+        ({"warmup": {"cacheDir": "/var/lib/weightcache"}}, "spec.warmup.cacheDir",
+         "overlaps /var/lib/weightcache/daemon-state, where the daemons keep their state"),
+        ({"model": {"path": "/var/lib/m", "mountPath": "/var/lib"}},
+         "spec.model.mountPath", "overlaps /var/lib/weightcache/daemon-state"),
         (
             {"model": {"path": "/m", "volume": {"emptyDir": {}}}},
             "spec.model.volume.emptyDir",
@@ -119,6 +126,17 @@ def test_rule_names_field_and_fix(patch, field, words):
     problems = {p.field: p.message for p in validate(spec)}
     assert field in problems, problems
     assert words in problems[field]
+
+
+def test_only_native_agents_mount_the_daemon_state_dir_so_only_they_keep_the_model_apart():
+    model = {"path": "/var/lib/m", "mountPath": "/var/lib"}
+    vllm = {"runtime": "vllm", "image": "vllm/vllm-openai:v0.31.0", "model": model}
+    assert validate(with_defaults(vllm, "ns", "c")) == []
+    # Beside it is fine: the chart's examples keep models in /var/lib/weightcache/models.
+    sibling = {"path": "/var/lib/weightcache/models/m", "mountPath": "/var/lib/weightcache/models"}
+    assert validate(with_defaults({**BASE, "model": sibling}, "ns", "c")) == []
+    assert validate(with_defaults({**BASE, "socketDir": "/var/lib/weightcache/sockets"},
+                                  "ns", "c")) == []
 
 
 def test_valid_layouts_from_the_seed():

@@ -137,7 +137,8 @@ def run(config: RankConfig) -> int:
         held.server = server.serve_shard(held.shard, config, rules, ckpt)
         held.listener = bind(config, held.path)
         announce(config, held.shard, held.path, clock, held.prefetch)
-        if set_file is not None:  # for the next start, off the critical path
+        if set_file is not None and (held.prefetch is None or held.prefetch.needs_record()):
+            # For the next start, off the critical path.
             threading.Thread(target=importset.record, args=(set_file, list(ckpt.files)),
                              name="weightcache-import-set", daemon=True).start()
         _Serving.server, _Serving.listener = held.server, held.listener

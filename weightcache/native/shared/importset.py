@@ -21,9 +21,11 @@ mtime changed (an upgrade) is skipped; a file is only read, and its bytes go now
 page cache, so a wrong or stale list costs time, never correctness.
 
 The set lives in the daemon user's cache directory (`$XDG_CACHE_HOME/weightcache`, else
-`~/.cache/weightcache`) unless WEIGHTCACHE_IMPORT_SET names another file, or `off`: on
-Kubernetes, a path on a volume that outlives the agent's container keeps it across restarts.
-Not the socket directory: engines mount that, and it holds sockets only. The set is written
+`~/.cache/weightcache`) unless WEIGHTCACHE_IMPORT_SET names another file, or `off`. On
+Kubernetes neither survives the agent pod, so the operator sets it to
+`/var/lib/weightcache/daemon-state/<namespace>/<name>/import-set.json`, a host directory of
+the cache's that outlives its pods (`constants.daemon_state_dir`, operator/resources.py). Not
+the socket directory: engines mount that, and it holds sockets only. The set is written
 atomically (a private temporary file, then rename) and read only if it is a regular file of
 ours, not writable by others, at most MAX_SET_BYTES long; anything else is ignored.
 """
@@ -45,11 +47,13 @@ from typing import Any
 
 import numpy as np
 
+from weightcache import constants
+
 from . import libc
 
 PAGE = mmap.PAGESIZE
-ENV = "WEIGHTCACHE_IMPORT_SET"  # a path, or "off"; default: SET_NAME in the user's cache
-SET_NAME = "import-set.json"
+ENV = constants.ENV_IMPORT_SET  # a path, or "off"; default: SET_NAME in the user's cache
+SET_NAME = constants.IMPORT_SET_NAME
 VERSION = 2  # 2: identities are [size, mtime_ns]
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
@@ -316,6 +320,15 @@ class Prefetch:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def needs_record(self) -> bool:
+        """Whether this start should write the set anew: there was none, or some of it named
+        files that changed (an upgrade). A set that still matches is kept as the first start
+        wrote it: a start on a warm node would write down every page that any process had
+        cached of the same libraries (on the H200 VM a 555 MB set grew to 974 MB and 1.16 GB
+        over later starts, and the prefetch's time with it)."""
+        with self._lock:
+            return not self.files or self._unread > 0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
