@@ -78,6 +78,7 @@ def test_update_adds_no_device_memory_and_keeps_pointers(models, daemon_factory,
     print(json.dumps({"transport": transport, **result, "free_before": free_before,
                       "free_min": min(low), "free_after": free_after}))
     assert result["generation"] == 2 and result["engines_paused"] == 1
+    assert result["stage_phases"]["staging"] == "files"  # b's own pinned pages, no host copy
     assert {n: t.data_ptr() for n, t in res.state_dict.items()} == ptrs
     ref = {}
     from safetensors.torch import load_file
@@ -99,17 +100,21 @@ def _on_device(ckpt: Path) -> dict[str, torch.Tensor]:
     return ref
 
 
-@pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
+@pytest.mark.parametrize(("transport", "staging"), [
+    ("cuda_vmm", "auto"), ("cuda_ipc", "auto"), ("cuda_vmm", "host"), ("cuda_ipc", "host")])
 def test_write_then_rollback_restores_bytes_at_the_same_addresses(models, daemon_factory,
-                                                                   transport):
-    """The rollback path on a CUDA arena: stage keeps a pinned host copy of revision A (a
-    device-to-host copy), the write puts B into the arena, the abort writes A back (one
-    host-to-device copy into the same allocation); the engine resumes unchanged. The CPU
-    twin is tests/native/test_update.py::test_abort_after_write_rolls_back_at_the_same_addresses
+                                                                   transport, staging,
+                                                                   monkeypatch):
+    """The rollback path on a CUDA arena: stage keeps revision A (its files' pinned pages,
+    or with `WEIGHTCACHE_UPDATE_STAGING=host` a pinned host copy made device-to-host), the
+    write puts B into the arena, the abort writes A back (host-to-device into the same
+    allocation); the engine resumes unchanged. The CPU twin is
+    tests/native/test_update.py::test_abort_after_write_rolls_back_at_the_same_addresses
     (same daemon code, memfd arena)."""
     from weightcache.native.coordinator import GroupUpdate
 
     a, b = models
+    monkeypatch.setenv("WEIGHTCACHE_UPDATE_STAGING", staging)  # the daemon inherits it
     d = daemon_factory(a, transport)
     res = attach(a, device=DEV, socket_path=d.socket, fallback=False)
     assert res.source == "cache"
@@ -122,6 +127,10 @@ def test_write_then_rollback_restores_bytes_at_the_same_addresses(models, daemon
     try:
         report = group.prepare(model=str(b))
         assert report["rollback"] is True, report
+        kind = "files" if staging == "auto" else "host"
+        assert report["stage_phases"]["staging"] == kind, report
+        assert report["stage_phases"]["rollback_source"] == (
+            "files" if staging == "auto" else "device"), report
         group.pause()
         group.write()
         torch.cuda.synchronize(DEV)
@@ -143,3 +152,35 @@ def test_write_then_rollback_restores_bytes_at_the_same_addresses(models, daemon
     assert free_before - free_after <= 2 << 20  # the copy lives in host memory
     again = attach(a, device=DEV, socket_path=d.socket, fallback=False)
     assert again.source == "cache" and again.generation == 1
+
+
+@pytest.mark.parametrize(("tp_size", "tp_rank"), [(1, 0), (2, 0), (2, 1)])
+def test_file_image_writes_the_loaders_bytes_on_the_device(models, tp_size, tp_rank):
+    """The CUDA side of staging from the files' pages (daemon/staging.py): every file pinned
+    read-only, whole tensors and row splits copied as ranges, column splits as 2-D copies;
+    the arena must equal the loader's, byte for byte. CPU twin: tests/native/test_staging.py."""
+    from weightcache.native.daemon import staging
+    from weightcache.native.shared.checkpoint import open_checkpoint
+    from weightcache.native.shared.loader import load_into_arena
+    from weightcache.native.shared.rankplan import plan_rank_shard
+    from weightcache.native.shared.sharding import parse_rules
+
+    ckpt = open_checkpoint(models[1])
+    layout, _ = plan_rank_shard(ckpt, parse_rules(None), tp_size=tp_size, tp_rank=tp_rank,
+                                dtype="auto")
+    expected = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    load_into_arena(layout, expected, digest=list(ckpt.files), share=tp_size > 1)
+    image, _ = staging.file_image(layout, list(ckpt.files), DEV, share=tp_size > 1)
+    try:
+        assert all(f.registered for f in image.files.values() if f.size)
+        if tp_size > 1:
+            assert any(r.height > 1 for r in image.runs)
+        got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
+        image.write_into(got)
+        host = got.cpu()
+        for e in layout.entries:
+            assert torch.equal(host[e.offset: e.offset + e.nbytes],
+                               expected[e.offset: e.offset + e.nbytes]), e.name
+    finally:
+        image.close()
+    assert not any(f.registered or f.addr for f in image.files.values())

@@ -103,15 +103,50 @@ def test_same_path_rewritten_updates_and_matches(daemon, ckpt, sock_dir, tmp_pat
     shutil.copytree(ckpt, path)
     code, out = update_here(sock_dir, path)
     assert code == 0 and out["generation"] == 2
+    assert out["stage_phases"]["rollback_source"] == "files", out  # `ckpt` holds generation 1
     assert attach(path, socket_dir=sock_dir, fallback=False).source == "cache"
     write_llama_checkpoint(path, TINY, files=2, seed=2)  # rewrite: same headers, new bytes
     assert attach(path, socket_dir=sock_dir).source == "disk"  # stale cache is never served
     # This process attached zero_copy above without a participant: the update needs --force.
     code, out = update_here(sock_dir, path, force=True)
     assert code == 0 and out["generation"] == 3 and out["forced_engines"] == [os.getpid()]
+    # Generation 2's files now hold other bytes: they must not be the rollback source.
+    assert out["stage_phases"]["rollback_source"] == "device"
     res = attach(path, socket_dir=sock_dir, fallback=False)
     assert res.source == "cache" and res.generation == 3
     assert_matches(res.state_dict, reference(path))
+
+
+def test_a_staged_file_written_before_the_write_is_refused(daemon, ckpt, ckpt_b, sock_dir,
+                                                         tmp_path):
+    """Staged from the files' own pages: a file written after it was verified is never copied
+    into the arena; the write is refused before its first byte and engines resume unchanged."""
+    import shutil
+
+    path = tmp_path / "b"
+    shutil.copytree(ckpt_b, path)
+    res = attach(ckpt, socket_dir=sock_dir, mode="zero_copy", fallback=False)
+    part = follow_updates(res)
+    try:
+        with raw_connect(daemon, 30) as c:
+            update = _stage(c, path)
+            assert _call(c, "update_pause", update=update)["paused"] == 1
+            victim = sorted(path.glob("*.safetensors"))[0]
+            with open(victim, "r+b") as f:  # the same byte back: the file was still written
+                first = f.read(1)
+                f.seek(0)
+                f.write(first)
+            refused = _call(c, "update_write", update=update)
+            assert refused["error"] == proto.E_BAD_REQUEST
+            assert "written since it was staged" in refused["message"]
+            assert "stage the update again" in refused["message"]
+            out = _call(c, "update_abort", update=update)
+            assert out["phase"] == "idle" and out["generation"] == 1
+        assert part.wait_for("resumed")
+    finally:
+        part.close()
+    assert_matches(res.state_dict, reference(ckpt))
+    assert query(daemon, "hello")["update"]["generation"] == 1
 
 
 def test_layout_mismatch_is_refused_naming_tensors(daemon, ckpt, sock_dir, tmp_path):
@@ -244,10 +279,13 @@ def test_abort_after_write_rolls_back_at_the_same_addresses(daemon, ckpt, ckpt_b
                                  "model": str(ckpt_b)})
             staged = proto.recv_frame(c)[0]
             assert staged["rollback"] is True and staged["rollback_why"] == ""
-            # Where staging's time went; the rollback copy is taken beside the read.
+            # Where staging's time went; the rollback source is made ready beside the read.
             phases = staged["phases"]
             assert {"allocate_seconds", "read_seconds", "rollback_seconds"} <= set(phases)
             assert phases["read_gb_per_s"] > 0 and phases["rollback_seconds"] > 0
+            # The new bytes are the files' own pages; generation 1's files are unchanged and
+            # cached, so they are the rollback source (no copy of the arena).
+            assert phases["staging"] == "files" and phases["rollback_source"] == "files"
             update = staged["update"]
             assert _call(c, "update_pause", update=update)["paused"] == 1
             assert _call(c, "update_write", update=update)["ok"]

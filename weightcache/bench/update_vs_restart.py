@@ -185,11 +185,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def staging_buffer_figures(nbytes: int, device: Any) -> dict[str, Any]:
     """Seconds to make `nbytes` of host staging ready (pinned on CUDA): the daemon's way
-    (updater._staging: populated by several threads, then registered) against an untouched
+    (staging.host_buffer: populated by several threads, then registered) against an untouched
     allocation registered as it is (the driver populates it on one thread), in the same run."""
     import torch
 
-    from weightcache.native.daemon.updater import _staging
+    from weightcache.native.daemon.staging import host_buffer
 
     def plain() -> Any:
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -205,7 +205,7 @@ def staging_buffer_figures(nbytes: int, device: Any) -> dict[str, Any]:
     # touch (a VM backs it then), and that must not fall on one side only.
     times: dict[str, list[float]] = {"plain_s": [], "daemon_s": []}
     for _ in range(2):
-        for name, make in (("plain_s", plain), ("daemon_s", lambda: _staging(nbytes, device))):
+        for name, make in (("plain_s", plain), ("daemon_s", lambda: host_buffer(nbytes, device))):
             t0 = time.perf_counter()
             buf = make()
             times[name].append(round(time.perf_counter() - t0, 4))

@@ -41,7 +41,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,14 +50,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..shared import content as content_mod
-from ..shared import hostmem
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.errors import UpdateError
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
+from . import staging
 from .histogram import Histogram
+from .staging import HostBuffer, Image, ImageRefused
 
 if TYPE_CHECKING:
     from ..shared.transport import Arena
@@ -140,7 +140,7 @@ class Participant:
 class Staged:
     update_id: str
     owner: socket.socket
-    buffer: torch.Tensor
+    buffer: Image  # the new bytes: the checkpoint's own pages, or a host buffer (staging.py)
     fingerprint: dict[str, Any]
     model: str
     source: str
@@ -150,7 +150,7 @@ class Staged:
     paused_at: float | None = None
     paused: int = 0
     forced: list[int] = field(default_factory=list)
-    previous: torch.Tensor | None = None  # host copy of the generation served before the write
+    previous: Image | None = None  # the generation served before the write, to roll back to
     rollback_why: str = ""  # why no copy was kept
     phases: dict[str, Any] = field(default_factory=dict)  # seconds per step, and the read's rate
 
@@ -213,41 +213,53 @@ def host_memory_available() -> int | None:
     return avail
 
 
-POPULATE_MIN_BYTES = 64 << 20  # below this, torch's allocator (and first touch) is quick
+class _Keeping:
+    """The rollback copy of one stage, taken on its own thread beside the read."""
 
+    def __init__(self, pool: ThreadPoolExecutor,
+                 take: Callable[[], tuple[Image | None, str, float]], mode: str) -> None:
+        self._pool, self._take, self._mode = pool, take, mode
+        self._future: Future[None] | None = None
+        self._value: tuple[Image | None, str, float] = (None, "", 0.0)
 
-def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host staging; page-locked for a CUDA arena, so the paused copy runs at the link's speed.
+    def start(self) -> None:
+        if self._future is None:
+            self._future = self._pool.submit(self._run)
 
-    Pinned by cudaHostRegister over an exact-size allocation rather than `pin_memory=True`:
-    torch's pinned allocator rounds up to a power of two (16 GB would pin 32 GB). A large one
-    is a mapping populated by several threads first (hostmem.py): registering untouched
-    memory faults it in on one thread inside the driver."""
-    if nbytes >= POPULATE_MIN_BYTES:
-        buf = torch.frombuffer(hostmem.populated(nbytes), dtype=torch.uint8)
-    else:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    if device.type != "cuda" or nbytes == 0:
-        return buf
-    runtime = torch.cuda.cudart()
-    ptr = buf.data_ptr()
-    err = runtime.cudaHostRegister(ptr, nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        log.warning("cudaHostRegister of %d bytes failed (%s): torch's pinned allocator", nbytes,
-                    err)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    weakref.finalize(buf, runtime.cudaHostUnregister, ptr)  # before the memory is freed
-    return buf
+    def _run(self) -> None:
+        self._value = self._take()
 
+    def result(self) -> tuple[Image | None, str, float]:
+        self.start()
+        assert self._future is not None
+        self._future.result()
+        return self._value
 
-def _write_arena(arena: Arena, src: torch.Tensor) -> None:
-    """Copy host bytes into the arena's own memory (so every address stays) and wait for it:
-    memfd through the daemon's writable mapping, CUDA one host-to-device copy."""
-    dst = arena.tensor()[: src.numel()]
-    dst.copy_(src, non_blocking=True)
-    if dst.is_cuda:
-        torch.cuda.synchronize(dst.device)
-    del dst
+    def wait_quietly(self) -> None:
+        if self._future is not None:
+            with contextlib.suppress(BaseException):
+                self._future.result()
+        self._value = (None, "", 0.0)
+
+    def make_room(self, nbytes: int) -> None:
+        """Host staging of `nbytes` comes after a copy that started for staging that needed
+        no host memory: a host copy that leaves no room for it is dropped (refused under
+        `rollback: require`), so that the two never push the node into OOM."""
+        if self._future is None:
+            return
+        self._future.result()
+        previous, _, seconds = self._value
+        avail = host_memory_available()
+        if previous is None or previous.kind != "host" or avail is None:
+            return
+        if avail >= nbytes + ROLLBACK_RESERVE_BYTES:
+            return
+        why = (f"host memory: staging on the host needs {nbytes} bytes plus "
+               f"{ROLLBACK_RESERVE_BYTES} spare besides the rollback copy, {avail} available")
+        del previous
+        self._value = (None, why, seconds)  # frees the copy before staging is allocated
+        if self._mode == "require":
+            raise UpdateError(proto.E_NO_ROLLBACK, f"no rollback copy possible ({why})")
 
 
 class RankUpdater:
@@ -447,33 +459,28 @@ class RankUpdater:
             if self.server.arena is None:
                 raise UpdateError(proto.E_RELEASED, "the cache was released")
             # Reserve the slot so that a second coordinator is refused while we read.
-            self.staged = Staged("", conn, torch.empty(0, dtype=torch.uint8), {}, "", "", 0, "")
+            self.staged = Staged("", conn, HostBuffer(torch.empty(0, dtype=torch.uint8)), {}, "",
+                                 "", 0, "")
         try:
             mode = req.get("rollback", "auto")
             if mode not in ROLLBACK_MODES:
                 raise UpdateError(proto.E_BAD_REQUEST, f"rollback must be one of {ROLLBACK_MODES}")
-            # The rollback copy (device to host) is taken while the new bytes are read: both
-            # happen while engines keep serving, and neither waits for the other.
-            # It starts once staging is allocated, so that it sees the host memory left then
-            # (a push allocates inside its copy: its rollback copy starts after it).
+            # The rollback copy is taken while the new bytes are read: both happen while
+            # engines keep serving, and neither waits for the other. It starts once staging
+            # took its host memory, so that it sees the memory left then (a push allocates
+            # inside its copy: its rollback copy starts after it).
             with ThreadPoolExecutor(1, thread_name_prefix="weightcache-rollback") as pool:
-                keeping: list[Future[tuple[torch.Tensor | None, str, float]]] = []
-
-                def allocated() -> None:
-                    keeping.append(pool.submit(self._previous_copy, mode))
-
+                keeping = _Keeping(pool, lambda: self._previous_copy(mode), mode)
                 try:
-                    staged = self._read(conn, req, fds, allocated)
+                    staged = self._read(conn, req, fds, keeping)
                 except BaseException:
-                    for started in keeping:  # wait for it, and drop it
-                        with contextlib.suppress(BaseException):
-                            started.result()
+                    keeping.wait_quietly()  # and drop it
                     raise
-                if not keeping:
-                    allocated()
-                staged.previous, staged.rollback_why, rollback_s = keeping[0].result()
+                staged.previous, staged.rollback_why, rollback_s = keeping.result()
             staged.phases["rollback_seconds"] = round(rollback_s, 6)
-            if staged.previous is not None and staged.previous.numel() != staged.buffer.numel():
+            staged.phases["rollback_source"] = None if staged.previous is None else (
+                "files" if staged.previous.kind == "files" else "device")
+            if staged.previous is not None and staged.previous.nbytes != staged.buffer.nbytes:
                 staged.previous, staged.rollback_why = None, "the arena's size changed"
         except BaseException:
             with self._lock:
@@ -484,9 +491,9 @@ class RankUpdater:
             self.staged = staged
             self.phase = STAGED if self.phase != BROKEN else BROKEN
         log.info("rank %d staged update %s from %s (%d bytes, %.3f s)", self.server.rank,
-                 staged.update_id, staged.source, staged.buffer.numel(), staged.seconds)
+                 staged.update_id, staged.source, staged.buffer.nbytes, staged.seconds)
         return proto.ok(update=staged.update_id, generation=self.generation,
-                        next_generation=self.generation + 1, bytes=staged.buffer.numel(),
+                        next_generation=self.generation + 1, bytes=staged.buffer.nbytes,
                         seconds=round(staged.seconds, 6), digest=staged.digest,
                         phases=staged.phases,
                         fingerprint=staged.fingerprint,
@@ -498,7 +505,7 @@ class RankUpdater:
             return fn()
 
     def _read(self, conn: socket.socket, req: dict[str, Any], fds: list[int],
-              allocated: Callable[[], None]) -> Staged:
+              keeping: _Keeping) -> Staged:
         """Stage and verify the new bytes; nothing the engines see changes here."""
         t0 = time.monotonic()
         cfg, server = self.config, self.server
@@ -526,26 +533,13 @@ class RankUpdater:
             except OSError as exc:
                 raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
             t_alloc = time.monotonic()
-            buffer = _staging(layout.nbytes, server.device)
-            allocated()
-            t_read = time.monotonic()
-            try:
-                # One pass: the parallel loader reads every byte of the files once into
-                # staging and digests it from there; the files' identities bracket it.
-                stats = load_into_arena(layout, buffer, digest=list(ckpt.files),
-                                        share=cfg.tp_size > 1)
-            except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
-                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
-            record = stats.record or {}
+            buffer, record, phases = self._stage_bytes(model, ckpt, layout, keeping)
             # The exact identity engines' claims are checked against (content.py): the files
             # planned must be the ones staged.
             if any(record[n].identity != ident for n, ident in before.items()):
                 raise UpdateError(proto.E_BAD_REQUEST,
                                   f"{model} changed while it was being staged; retry")
-            phases = {"plan_seconds": round(t_alloc - t0, 6),
-                      "allocate_seconds": round(t_read - t_alloc, 6),
-                      "read_seconds": round(time.monotonic() - t_read, 6),
-                      "read_gb_per_s": round(stats.gbps, 3), "read_threads": stats.threads}
+            phases = {"plan_seconds": round(t_alloc - t0, 6), **phases}
             root = content_mod.content_root(record)
             fingerprint = {**fingerprint, CONTENT: root}
             # The staged bytes are the files' bytes, which the content root names already:
@@ -555,9 +549,11 @@ class RankUpdater:
             if len(fds) != 1:
                 raise UpdateError(proto.E_BAD_REQUEST, "a push carries exactly one memfd")
             model = "push"
-            phases = {}
-            buffer = self._read_push(fds[0])
-            digest = _sha256(buffer)
+            phases = {"staging": "host"}
+            pushed = self._read_push(fds[0])
+            keeping.start()
+            digest = _sha256(pushed)
+            buffer = HostBuffer(pushed)
             # Served bytes no longer equal any checkpoint on disk: no engine asking for one
             # may match them, while the layout (and so every other field) is unchanged.
             fingerprint = {**server.fingerprint, CONTENT: "push:" + digest}
@@ -567,27 +563,80 @@ class RankUpdater:
         return Staged(uuid.uuid4().hex, conn, buffer, fingerprint, model, source,
                       time.monotonic() - t0, digest, record, phases=phases)
 
-    def _previous_copy(self, mode: str) -> tuple[torch.Tensor | None, str, float]:
-        """The bytes served now, copied to host memory so that a failure after the write can
-        undo it: (the copy or None, why none, seconds).
+    def _stage_bytes(self, model: str, ckpt: Any, layout: ArenaLayout,
+                     keeping: _Keeping) -> tuple[Image, dict[str, Any], dict[str, Any]]:
+        """The new bytes, verified by one read: (staging, content record, phases).
 
-        Taken while engines keep serving (nothing writes the arena before `update_write`, and
-        the reserved slot keeps any other update out). Costs the arena's size in host memory
-        (pinned on CUDA) from stage to finish, on top of staging: 2x the arena per rank."""
+        From the files' own pages where the layout allows (staging.py), else into a host
+        buffer by the parallel loader. The rollback copy starts once staging's host memory is
+        taken (`keeping`): at once for the files' pages, which take none."""
+        cfg, server = self.config, self.server
+        share = cfg.tp_size > 1
+        why = staging.refusal(layout, server.device)
+        if why is None:
+            keeping.start()
+            t0 = time.monotonic()
+            try:
+                image, steps = staging.file_image(layout, list(ckpt.files), server.device,
+                                                  share=share)
+            except content_mod.ContentError as exc:
+                raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+            except ImageRefused as exc:
+                why = str(exc)
+                log.info("rank %d: staging on the host (%s)", server.rank, why)
+            else:
+                seconds = time.monotonic() - t0
+                return image, image.record, {
+                    "staging": "files", "allocate_seconds": round(steps.get("pin_seconds", 0), 6),
+                    "read_seconds": round(seconds, 6),
+                    "read_gb_per_s": round(layout.nbytes / max(seconds, 1e-9) / 1e9, 3),
+                    "read_threads": os.cpu_count() or 1,
+                    "digest_seconds": round(steps["digest_seconds"], 6)}
+        keeping.make_room(layout.nbytes)  # a copy started for a refused image
+        t_alloc = time.monotonic()
+        buffer = staging.host_buffer(layout.nbytes, server.device)
+        keeping.start()
+        t_read = time.monotonic()
+        try:
+            # One pass: the parallel loader reads every byte of the files once into
+            # staging and digests it from there; the files' identities bracket it.
+            stats = load_into_arena(layout, buffer, digest=list(ckpt.files), share=share)
+        except (ArenaLayoutError, content_mod.ContentError, OSError, RuntimeError) as exc:
+            raise UpdateError(proto.E_BAD_REQUEST, f"cannot read {model}: {exc}") from None
+        return HostBuffer(buffer), stats.record or {}, {
+            "staging": "host", "staging_why": why,
+            "allocate_seconds": round(t_read - t_alloc, 6),
+            "read_seconds": round(time.monotonic() - t_read, 6),
+            "read_gb_per_s": round(stats.gbps, 3), "read_threads": stats.threads}
+
+    def _previous_copy(self, mode: str) -> tuple[Image | None, str, float]:
+        """The bytes served now, kept so that a failure after the write can undo it: (the
+        image or None, why none, seconds).
+
+        The files the generation came from, where they are the very files its record names,
+        unchanged, and the page cache holds them (staging.py: no memory of ours, no copy);
+        else a copy of the arena in host memory (pinned on CUDA), which costs the arena's size
+        from stage to finish on top of host staging. Taken while engines keep serving
+        (nothing writes the arena before `update_write`, and the reserved slot keeps any other
+        update out)."""
         t0 = time.monotonic()
         device = self.server.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             previous, why = self._keep_previous(mode)
         return previous, why, time.monotonic() - t0
 
-    def _keep_previous(self, mode: str) -> tuple[torch.Tensor | None, str]:
+    def _keep_previous(self, mode: str) -> tuple[Image | None, str]:
         if mode == "off":
             return None, "no rollback copy requested"
         nbytes = self.server.nbytes
         with self._lock:
-            broken, arena = self.phase == BROKEN, self.server.arena
+            broken, arena, model = self.phase == BROKEN, self.server.arena, self.model
         if arena is None:
             raise UpdateError(proto.E_RELEASED, "the cache was released")
+        if not broken:
+            served = self._served_files(model)
+            if served is not None:
+                return served, ""
         avail = host_memory_available()
         if broken:
             why = "the rank is broken: there is no whole generation to roll back to"
@@ -601,13 +650,34 @@ class RankUpdater:
         if why:
             log.warning("rank %d: update without rollback: %s", self.server.rank, why)
             return None, why
-        previous = _staging(nbytes, self.server.device)
+        previous = staging.host_buffer(nbytes, self.server.device)
         src = arena.tensor()[:nbytes]
         previous.copy_(src)
         if src.is_cuda:
             torch.cuda.synchronize(src.device)
         del src
-        return previous, ""
+        return HostBuffer(previous), ""
+
+    def _served_files(self, model: str) -> Image | None:
+        """The served generation's own files as a rollback source, or None (then a copy)."""
+        cfg, server = self.config, self.server
+        if not server.content:
+            return None  # a pushed generation: no file holds its bytes
+        try:
+            ckpt = open_checkpoint(model)
+            layout, _ = plan_rank_shard(ckpt, cfg.rules, tp_size=cfg.tp_size,
+                                        tp_rank=cfg.tp_rank, dtype=cfg.dtype)
+            if layout_differences(server.table, server.aliases, layout):
+                raise ImageRefused("their layout is not the one served")
+            image, _ = staging.file_image(layout, list(ckpt.files), server.device,
+                                          share=cfg.tp_size > 1, known=server.content,
+                                          resident_only=True)
+        except (ImageRefused, CheckpointError, ShardingError, content_mod.ContentError,
+                OSError) as exc:
+            log.info("rank %d: rollback from %s refused (%s): a copy of the arena instead",
+                     server.rank, model, exc)
+            return None
+        return image
 
     def _read_push(self, fd: int) -> torch.Tensor:
         """Copy a pushed memfd (the rank's arena image) into staging; never map it writable."""
@@ -619,7 +689,7 @@ class RankUpdater:
         if size != nbytes:
             raise UpdateError(proto.E_LAYOUT_MISMATCH,
                               f"pushed image has {size} bytes, the arena {nbytes}")
-        buffer = _staging(nbytes, self.server.device)
+        buffer = staging.host_buffer(nbytes, self.server.device)
         if nbytes:
             with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as view:
                 src = torch.frombuffer(view, dtype=torch.uint8)
@@ -678,10 +748,14 @@ class RankUpdater:
         arena = self.server.arena
         if arena is None:
             raise UpdateError(proto.E_RELEASED, "the cache was released")
+        try:
+            staged.buffer.verify()  # nothing is written yet: refused, the engines resume
+        except content_mod.ContentError as exc:
+            raise UpdateError(proto.E_BAD_REQUEST, f"{exc}: stage the update again") from None
         self.phase = WRITTEN  # from here on, a failure tears the arena: roll back, or broken
         t0 = time.monotonic()
         try:
-            _write_arena(arena, staged.buffer)
+            staged.buffer.write_into(arena.tensor())
         except Exception as exc:
             why = f"write failed: {type(exc).__name__}: {exc}"
             if self._roll_back(staged, why):
@@ -741,7 +815,7 @@ class RankUpdater:
         if staged.previous is None or arena is None:
             return False
         try:
-            _write_arena(arena, staged.previous)
+            staged.previous.write_into(arena.tensor())
         except Exception as exc:
             log.error("rank %d: rollback failed: %s: %s", self.server.rank,
                       type(exc).__name__, exc)

@@ -181,17 +181,60 @@ class ChunkSink:
         return out
 
 
-def _digest_range(fd: int, first: int, count: int, size: int, chunk_bytes: int) -> bytes:
-    out = bytearray()
-    buf = bytearray(chunk_bytes)
-    view = memoryview(buf)
-    for index in range(first, first + count):
-        want = min(chunk_bytes, max(0, size - index * chunk_bytes))
-        got = os.preadv(fd, [view[:want]], index * chunk_bytes) if want else 0
+# Chunks per read of `digest_into`: one, into each thread's own 1 MiB buffer, which stays in
+# the core's cache between the copy out of the page cache and the hash (a 16 MiB buffer is
+# written to memory and read back: twice the memory traffic, and staging is bound by it).
+READ_CHUNKS = 1
+_digest_buffers = threading.local()
+
+
+def _runs(total: int, wanted: Iterable[int] | None, limit: int) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive chunk indices below `total`, at most `limit` long."""
+    indices = range(total) if wanted is None else sorted(i for i in wanted if 0 <= i < total)
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][0] + runs[-1][1] == index and runs[-1][1] < limit:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
+
+
+def _digest_run(sink: ChunkSink, path: Path, fd: int, first: int, count: int,
+                size: int) -> None:
+    step = sink.chunk_bytes
+    buf = getattr(_digest_buffers, "buf", None)
+    if buf is None or len(buf) < READ_CHUNKS * step:
+        buf = _digest_buffers.buf = memoryview(bytearray(READ_CHUNKS * step))
+    for at in range(first, first + count, READ_CHUNKS):
+        take = min(READ_CHUNKS, first + count - at)
+        want = max(0, min(take * step, size - at * step))
+        got = os.preadv(fd, [buf[:want]], at * step) if want else 0
         if got != want:
-            raise ContentError(f"short read at chunk {index} ({got} of {want} bytes)")
-        out += chunk_digest(view[:want])
-    return bytes(out)
+            raise ContentError(f"{path}: short read at chunk {at} ({got} of {want} bytes)")
+        sink.add(path, at, buf[:want])
+
+
+def digest_into(sink: ChunkSink, fds: Mapping[Path, int], *,
+                workers: int | None = None) -> None:
+    """Hash every chunk `sink` wants (all, or its coverage) of its files, open as `fds`.
+
+    Reads with pread into each thread's own buffer, never through a mapping: a file truncated
+    under a read is a short read (ContentError naming it), where a mapping would SIGBUS."""
+    jobs = []
+    for path, ident in sink.identities.items():
+        wanted = None if sink.coverage is None else sink.coverage[path]
+        for first, count in _runs(n_chunks(ident.size, sink.chunk_bytes), wanted, _TASK_CHUNKS):
+            jobs.append((path, first, count, ident.size))
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
+        futures = [(path, pool.submit(_digest_run, sink, path, fds[path], first, count, size))
+                   for path, first, count, size in jobs]
+        for path, fut in futures:
+            try:
+                fut.result()
+            except OSError as exc:
+                raise ContentError(f"{path}: cannot read: {exc}") from None
 
 
 def digest_files(
@@ -206,43 +249,26 @@ def digest_files(
     (a writer was at work: the bytes read may mix two versions).
     """
     paths = [Path(p) for p in paths]
-    workers = workers or min(8, os.cpu_count() or 1)
-    opened: list[tuple[Path, int, FileIdentity]] = []
+    opened: dict[Path, int] = {}
     try:
+        idents = {}
         for path in paths:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = opened[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 raise ContentError(f"{path}: cannot read: {exc}") from None
-            opened.append((path, fd, FileIdentity.of(os.fstat(fd))))
-        tasks = []
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
-            for path, fd, ident in opened:
-                total = n_chunks(ident.size, chunk_bytes)
-                for first in range(0, total, _TASK_CHUNKS):
-                    count = min(_TASK_CHUNKS, total - first)
-                    tasks.append((path, pool.submit(
-                        _digest_range, fd, first, count, ident.size, chunk_bytes)))
-            parts: dict[Path, list[bytes]] = {}
-            for path, fut in tasks:
-                try:
-                    parts.setdefault(path, []).append(fut.result())
-                except OSError as exc:
-                    raise ContentError(f"{path}: cannot read: {exc}") from None
-                except ContentError as exc:
-                    raise ContentError(f"{path}: {exc}") from None
-        out: dict[str, FileDigest] = {}
-        for path, fd, ident in opened:
+            idents[path] = FileIdentity.of(os.fstat(fd))
+        sink = ChunkSink(idents, chunk_bytes)
+        digest_into(sink, opened, workers=workers or min(8, os.cpu_count() or 1))
+        for path, fd in opened.items():
             after = FileIdentity.of(os.stat(path))
-            if after != ident or FileIdentity.of(os.fstat(fd)) != ident:
+            if after != idents[path] or FileIdentity.of(os.fstat(fd)) != idents[path]:
                 raise ContentError(f"{path} changed while it was being read; load it again")
-            out[path.name] = FileDigest(path.name, os.path.realpath(path), ident, chunk_bytes,
-                                        b"".join(parts.get(path, [])))
-        return out
+        return sink.record()
     except FileNotFoundError as exc:
         raise ContentError(f"{exc.filename} disappeared while it was being read") from None
     finally:
-        for _, fd, _ in opened:
+        for fd in opened.values():
             os.close(fd)
 
 
