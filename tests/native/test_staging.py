@@ -172,3 +172,37 @@ def test_digest_into_matches_digest_files_and_covers_only_a_share(model):
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def test_a_host_copy_that_leaves_no_room_for_host_staging_is_dropped(monkeypatch):
+    """Staging fell back to a host buffer after the rollback copy had started beside an image
+    (a driver that would not pin): a host copy that leaves no room for it is dropped, so the
+    two never take the node's memory; under `rollback: require` the stage is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightcache.native.daemon import updater
+    from weightcache.native.shared import protocol as proto
+    from weightcache.native.shared.errors import UpdateError
+
+    def copy() -> tuple[staging.HostBuffer, str, float]:
+        return staging.HostBuffer(torch.zeros(1024, dtype=torch.uint8)), "", 0.5
+
+    monkeypatch.setattr(updater, "host_memory_available", lambda: 2 << 30)  # 2 GiB free
+    with ThreadPoolExecutor(1) as pool:
+        plenty = updater._Keeping(pool, copy, "auto")
+        plenty.start()
+        plenty.make_room(1 << 30)  # 1 GiB of staging and the 512 MiB reserve fit
+        assert plenty.result()[0] is not None
+        short = updater._Keeping(pool, copy, "auto")
+        short.start()
+        short.make_room(4 << 30)
+        previous, why, seconds = short.result()
+        assert previous is None and why.startswith("host memory") and seconds == 0.5
+        strict = updater._Keeping(pool, copy, "require")
+        strict.start()
+        with pytest.raises(UpdateError) as refused:
+            strict.make_room(4 << 30)
+        assert refused.value.code == proto.E_NO_ROLLBACK
+        idle = updater._Keeping(pool, copy, "auto")
+        idle.make_room(4 << 30)  # nothing started: nothing to drop
+        assert idle.result()[0] is not None
