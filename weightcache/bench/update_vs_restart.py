@@ -81,6 +81,23 @@ class PeakSampler:
         return max(self.samples, default=self.base) - self.base
 
 
+def resident_fraction(files: list[Path]) -> float | None:
+    """The share of the files' pages the page cache holds (None where it cannot say)."""
+    from weightcache.native.shared.residency import resident_pages
+
+    held = total = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            found = resident_pages(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if found is None:
+            return None
+        held, total = held + found[0], total + found[1]
+    return round(held / total, 4) if total else None
+
+
 def write_revisions(size: str, workdir: Path) -> tuple[Path, Path, int]:
     """Two checkpoints with identical headers and different bytes."""
     a, b = workdir / f"{size}-rev1", workdir / f"{size}-rev2"
@@ -134,6 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from .gpu import _files, _warm
 
         page_cache_gbps = max(_warm(_files(b)) for _ in range(2))
+        # Staging reads the new files' pages where they are and the rollback source is the old
+        # files' pages: what the page cache held of each says whether the stage met the disk.
+        resident_before = {"new": resident_fraction(_files(b)), "old": resident_fraction(_files(a))}
         with PeakSampler(args.device) as inplace_mem:
             t0 = time.perf_counter()
             result = update_group(discover(sockets), model=str(b), timeout_s=3600)
@@ -150,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "staging_gb_per_s": round(result["bytes"] / result["seconds_staged"] / 1e9, 3)
             if result.get("seconds_staged") else None,
             "page_cache_read_gb_per_s": round(page_cache_gbps, 3),
+            "page_cache_resident_before": resident_before,
         }
         # Baseline: a rolling restart to the other revision, the engine re-attaching.
         with PeakSampler(args.device) as restart_mem:
@@ -257,6 +278,7 @@ def main(argv: list[str]) -> int:
             f"staging (read + digest, one pass): {ip['staging_gb_per_s']} GB/s against one "
             f"page-cache reader's {ip['page_cache_read_gb_per_s']} GB/s",
             f"staging phases (s): {ip.get('stage_phases')}",
+            f"page cache held before the stage: {ip.get('page_cache_resident_before')}",
             f"host staging made ready: {report['staging_buffer']['daemon_s']} s, an untouched"
             f" allocation {'registered' if args.device == 'cuda' else 'touched'} as it is "
             f"{report['staging_buffer']['plain_s']} s",
