@@ -149,15 +149,11 @@ def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 @dataclass
 class _File:
     path: Path
     fd: int
-    key: tuple[int, ...]
+    ident: content_mod.FileIdentity  # device, inode, size, mtime, ctime at open
     size: int
     addr: int = 0  # the read-only mapping (CUDA), 0 if none
     length: int = 0
@@ -215,13 +211,14 @@ class FileImage:
     def verify(self) -> None:
         for f in self.files.values():
             try:
-                now, named = _stat_key(os.fstat(f.fd)), _stat_key(os.stat(f.path))
+                now = content_mod.FileIdentity.of(os.fstat(f.fd))
+                named = content_mod.FileIdentity.of(os.stat(f.path))
             except FileNotFoundError:
                 raise content_mod.ContentError(f"{f.path} was removed since it was staged") \
                     from None
-            if named[:2] != f.key[:2]:  # another file at the path (replacing it moves ctime)
+            if (named.dev, named.ino) != (f.ident.dev, f.ident.ino):  # replacing moves ctime
                 raise content_mod.ContentError(f"{f.path} was replaced since it was staged")
-            if now != f.key or named != f.key:
+            if now != f.ident or named != f.ident:
                 raise content_mod.ContentError(f"{f.path} was written since it was staged")
 
     def write_into(self, dst: torch.Tensor) -> None:
@@ -386,7 +383,7 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
                 raise content_mod.ContentError(f"{path} disappeared before it was staged") \
                     from None
             st = os.fstat(fd)
-            files[path] = _File(path, fd, _stat_key(st), st.st_size)
+            files[path] = _File(path, fd, content_mod.FileIdentity.of(st), st.st_size)
         for run in runs:
             end = run.file_at + (run.height - 1) * run.pitch + run.width
             if end > files[run.path].size:
@@ -397,8 +394,7 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
             raise ImageRefused("the page cache does not hold every file")
         needed = {r.path for r in runs}
         pin = [files[p] for p in sorted(needed) if files[p].size] if ordinal is not None else []
-        idents = {Path(p): content_mod.FileIdentity.of(os.fstat(files[Path(p)].fd))
-                  for p in digest}
+        idents = {Path(p): files[Path(p)].ident for p in digest}
         if known is not None:
             _check_known(known, idents)
         sink = content_mod.ChunkSink(idents,
