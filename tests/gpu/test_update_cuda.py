@@ -154,11 +154,16 @@ def test_write_then_rollback_restores_bytes_at_the_same_addresses(models, daemon
     assert again.source == "cache" and again.generation == 1
 
 
-@pytest.mark.parametrize(("tp_size", "tp_rank"), [(1, 0), (2, 0), (2, 1)])
-def test_file_image_writes_the_loaders_bytes_on_the_device(models, tp_size, tp_rank):
+@pytest.mark.parametrize(("tp_size", "tp_rank", "pin"), [
+    (1, 0, "now"), (2, 0, "now"), (2, 1, "now"), (2, 1, "later"), (2, 1, "refused")])
+def test_file_image_writes_the_loaders_bytes_on_the_device(models, tp_size, tp_rank, pin,
+                                                           monkeypatch):
     """The CUDA side of staging from the files' pages (daemon/staging.py): every file pinned
     read-only, whole tensors and row splits copied as ranges, column splits as 2-D copies;
-    the arena must equal the loader's, byte for byte. CPU twin: tests/native/test_staging.py."""
+    the arena must equal the loader's, byte for byte. `later` is a rollback source's image:
+    mapped at the stage, registered by its write; `refused`: the driver refuses that late
+    registration, and the write goes through host memory of ours. CPU twin:
+    tests/native/test_staging.py."""
     from weightcache.native.daemon import staging
     from weightcache.native.shared.checkpoint import open_checkpoint
     from weightcache.native.shared.loader import load_into_arena
@@ -170,13 +175,24 @@ def test_file_image_writes_the_loaders_bytes_on_the_device(models, tp_size, tp_r
                                 dtype="auto")
     expected = torch.zeros(layout.nbytes, dtype=torch.uint8)
     load_into_arena(layout, expected, digest=list(ckpt.files), share=tp_size > 1)
-    image, _ = staging.file_image(layout, list(ckpt.files), DEV, share=tp_size > 1)
+    image, _ = staging.file_image(layout, list(ckpt.files), DEV, share=tp_size > 1,
+                                  pin_later=pin != "now")
     try:
-        assert all(f.registered for f in image.files.values() if f.size)
+        assert all(f.registered == (pin == "now") and f.addr for f in image.files.values()
+                   if f.size)
         if tp_size > 1:
             assert any(r.height > 1 for r in image.runs)
+        if pin == "refused":
+            def refuse(f, ordinal):
+                raise staging.ImageRefused(f"the driver would not pin {f.path} (test)")
+            monkeypatch.setattr(staging, "_register", refuse)
         got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
         image.write_into(got)
+        if pin == "later":
+            assert all(f.registered for f in image.files.values() if f.size)
+            assert image.pin_seconds > 0
+        if pin == "refused":
+            assert not any(f.registered for f in image.files.values())
         host = got.cpu()
         for e in layout.entries:
             assert torch.equal(host[e.offset: e.offset + e.nbytes],

@@ -33,7 +33,10 @@ What keeps the bytes exact:
 The same image serves a rollback: the generation served now came from files too, and where
 they are still in the page cache and are the very files its record names, unchanged (same
 path, device, inode, size, mtime and ctime), writing them back restores it exactly, without a
-device-to-host copy into fresh host memory and without hashing them again.
+device-to-host copy into fresh host memory and without hashing them again. Its files are
+mapped at the stage but registered only if a rollback writes them (about 0.23 s per 8 GiB, then
+in the pause): pinning them at every stage, beside the new files, cost the stage as much as
+the digest, for a copy that is seldom made.
 `WEIGHTCACHE_UPDATE_STAGING=host` turns images off (every update stages on the host).
 """
 
@@ -66,17 +69,14 @@ STAGING_ENV = "WEIGHTCACHE_UPDATE_STAGING"
 STAGING_MODES = ("auto", "host")
 POPULATE_MIN_BYTES = 64 << 20  # below this, torch's allocator (and first touch) is quick
 PAGE = os.sysconf("SC_PAGE_SIZE")
-SLICE_BYTES = 1 << 30  # one thread's share of populating a mapping
 PIECE_BYTES = 64 << 20  # one pread of a CPU write
 PROT_READ, MAP_SHARED = 0x1, 0x01
 MAP_FAILED = ctypes.c_void_p(-1).value
-MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
 
 _mmap = libc.function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                ctypes.c_int, ctypes.c_long], ctypes.c_void_p)
 _munmap = libc.function("munmap", [ctypes.c_void_p, ctypes.c_size_t])
-_madvise = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 class ImageRefused(Exception):
@@ -195,14 +195,40 @@ class FileImage:
     kind = "files"
 
     def __init__(self, files: dict[Path, _File], runs: list[Run], nbytes: int,
-                 record: dict[str, content_mod.FileDigest], ordinal: int | None) -> None:
+                 record: dict[str, content_mod.FileDigest], ordinal: int | None,
+                 unpinned: Iterable[_File] = ()) -> None:
         self.files, self.runs, self.nbytes, self.record = files, runs, nbytes, record
+        self._ordinal = ordinal
+        self._unpinned = list(unpinned)  # mapped, registered at the first write (`pin_later`)
+        self.pin_seconds = 0.0  # of that late registration
         self._sources: dict[Path, torch.Tensor] = {}
-        for f in files.values():
-            if f.registered:  # a tensor over the pinned pages (written by nobody)
+        self._add_sources()
+        self._finalizer = weakref.finalize(self, _release, list(files.values()), ordinal)
+
+    def _add_sources(self) -> None:
+        for f in self.files.values():
+            if f.registered and f.path not in self._sources:  # over the pinned pages (read-only)
                 array = (ctypes.c_uint8 * f.size).from_address(f.addr)
                 self._sources[f.path] = torch.frombuffer(array, dtype=torch.uint8)
-        self._finalizer = weakref.finalize(self, _release, list(files.values()), ordinal)
+
+    def _pin(self) -> bool:
+        """Register the files left for the write, one thread each: False if the driver
+        refused one (the write then goes through host memory)."""
+        if not self._unpinned:
+            return True
+        t0 = time.monotonic()
+        ordinal = self._ordinal
+        assert ordinal is not None
+        try:
+            _parallel(lambda f: _register(f, ordinal), self._unpinned, len(self._unpinned))
+        except ImageRefused as exc:
+            log.warning("%s: writing through host memory", exc)
+            return False
+        finally:
+            self.pin_seconds = time.monotonic() - t0
+        self._unpinned = []
+        self._add_sources()
+        return True
 
     def close(self) -> None:
         self._sources.clear()
@@ -223,11 +249,25 @@ class FileImage:
 
     def write_into(self, dst: torch.Tensor) -> None:
         self.verify()
-        if dst.is_cuda:
+        if not dst.is_cuda:
+            self._pread_into(dst)
+        elif self._pin():
             self._copy_to_device(dst)
         else:
-            self._pread_into(dst)
+            self._through_host(dst)
         self.verify()  # a writer during the copy: the caller rolls back
+
+    def _through_host(self, dst: torch.Tensor) -> None:
+        """The files read into a host buffer of ours, then copied: for a late registration
+        the driver refused. No host thread touches a mapped page (as a pageable copy from the
+        mapping would: a SIGBUS if the file were truncated under it)."""
+        avail = hostmem.host_memory_available()
+        if avail is not None and avail < self.nbytes + hostmem.RESERVE_BYTES:
+            raise ImageRefused(f"the driver would not pin the files and host memory holds no "
+                               f"copy of {self.nbytes} bytes ({avail} available)")
+        host = host_buffer(self.nbytes, dst.device)
+        self._pread_into(host)
+        HostBuffer(host).write_into(dst)
 
     def _copy_to_device(self, dst: torch.Tensor) -> None:
         """One copy per tensor from the pinned pages, on the device's current stream: a
@@ -315,24 +355,18 @@ def _runs(layout: Any) -> list[Run]:
 
 def _map(f: _File) -> None:
     """Map `f` read-only, shared, and fault its pages in (from the page cache, or the disk)."""
-    if _mmap is None or _madvise is None:
-        raise ImageRefused("the C library has no mmap/madvise")
+    if _mmap is None:
+        raise ImageRefused("the C library has no mmap")
     f.length = -(-f.size // PAGE) * PAGE
     addr = _mmap(None, f.length, PROT_READ, MAP_SHARED, f.fd, 0)
     if addr is None or addr == MAP_FAILED:
         raise ImageRefused(f"cannot map {f.path}: {os.strerror(ctypes.get_errno())}")
     f.addr = addr
-    slices = [(at, min(SLICE_BYTES, f.length - at)) for at in range(0, f.length, SLICE_BYTES)]
-
-    def populate(piece: tuple[int, int]) -> int:
-        ok = _madvise(f.addr + piece[0], piece[1], MADV_POPULATE_READ) == 0
-        return 0 if ok else ctypes.get_errno()
-
-    failed = [e for e in _parallel(populate, slices, 8) if e]
-    if failed and failed[0] == errno.EFAULT:
+    err = hostmem.populate(f.addr, f.length, hostmem.MADV_POPULATE_READ, threads=8)
+    if err == errno.EFAULT:
         raise content_mod.ContentError(f"{f.path} is shorter than when it was opened")
-    if failed:  # EINVAL before Linux 5.14: the driver's pin faults the pages in itself
-        log.debug("MADV_POPULATE_READ of %s: %s", f.path, os.strerror(failed[0]))
+    if err:  # EINVAL before Linux 5.14: the driver's pin faults the pages in itself
+        log.debug("MADV_POPULATE_READ of %s: %s", f.path, os.strerror(err))
 
 
 def _register(f: _File, ordinal: int) -> None:
@@ -349,7 +383,7 @@ def _register(f: _File, ordinal: int) -> None:
 
 def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: bool = False,
                known: dict[str, content_mod.FileDigest] | None = None,
-               resident_only: bool = False,
+               resident_only: bool = False, pin_later: bool = False,
                threads: int | None = None) -> tuple[FileImage, dict[str, float]]:
     """The files of `layout` as staging, their content record taken by one read of each
     wanted chunk: (image, seconds per step).
@@ -360,8 +394,11 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
     nothing is hashed, and every file must be the very file it names, unchanged: the same real
     path and the same identity (device, inode, size, mtime, ctime: any write moves ctime,
     which no user can set back), else ImageRefused. `resident_only`: refuse unless the page
-    cache holds every file whole. Raises ImageRefused where this path does not apply,
-    ContentError where a file is unreadable or changed."""
+    cache holds every file whole. `pin_later` (a rollback source, seldom written): the files are
+    mapped and their pages faulted in now (milliseconds: nothing is copied), registered with the
+    driver only if the image is written (FileImage._pin), so that the stage does not pin a
+    second arena's size beside the one it writes. Raises ImageRefused where this path does not
+    apply, ContentError where a file is unreadable or changed."""
     if staging_mode() == "host":
         raise ImageRefused(f"{STAGING_ENV}=host")
     runs = _runs(layout)
@@ -406,8 +443,9 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
             t = time.monotonic()
             for f in pin:
                 _map(f)
+            if pin and not pin_later:
                 assert ordinal is not None
-                _register(f, ordinal)
+                _parallel(lambda f: _register(f, ordinal), pin, len(pin))
             steps["pin_seconds"] = time.monotonic() - t
 
         # Pinning and the digest run side by side: both read the same page-cache pages.
@@ -424,7 +462,8 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
         if errors:
             raise errors[0]
         record = sink.record() if known is None else dict(known)
-        image = FileImage(files, runs, layout.nbytes, record, ordinal)
+        image = FileImage(files, runs, layout.nbytes, record, ordinal,
+                          pin if pin_later else ())
         image.verify()
         steps["seconds"] = time.monotonic() - t0
         return image, steps

@@ -44,15 +44,16 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..shared import content as content_mod
+from ..shared import hostmem
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.errors import UpdateError
+from ..shared.hostmem import host_memory_available
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
@@ -96,7 +97,7 @@ DIGEST_CHUNK = 64 << 20
 # A participant that does not read its events within this long is dropped (never blocks us).
 PARTICIPANT_SEND_TIMEOUT_S = 5.0
 # Host memory a rollback copy must leave free (so the copy never pushes the node into OOM).
-ROLLBACK_RESERVE_BYTES = 512 << 20
+ROLLBACK_RESERVE_BYTES = hostmem.RESERVE_BYTES
 ROLLBACK_MODES = ("auto", "require", "off")
 
 
@@ -191,26 +192,6 @@ def _sha256(buf: torch.Tensor) -> str:
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         parts = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
     return "sha256:" + hashlib.sha256(b"".join(parts)).hexdigest()
-
-
-def host_memory_available() -> int | None:
-    """Bytes this process may still take: MemAvailable, capped by its cgroup v2 limit.
-
-    The cgroup matters in a pod: the node may have memory to spare while the container's
-    limit is nearly reached, and exceeding it gets the daemon OOM-killed mid-update."""
-    avail: int | None = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        rel = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
-        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (group / "memory.max").read_text().strip()
-        if limit != "max":
-            room = int(limit) - int((group / "memory.current").read_text())
-            avail = room if avail is None else min(avail, room)
-    return avail
 
 
 class _Keeping:
@@ -671,7 +652,7 @@ class RankUpdater:
                 raise ImageRefused("their layout is not the one served")
             image, _ = staging.file_image(layout, list(ckpt.files), server.device,
                                           share=cfg.tp_size > 1, known=server.content,
-                                          resident_only=True)
+                                          resident_only=True, pin_later=True)
         except (ImageRefused, CheckpointError, ShardingError, content_mod.ContentError,
                 OSError) as exc:
             log.info("rank %d: rollback from %s refused (%s): a copy of the arena instead",
@@ -824,8 +805,9 @@ class RankUpdater:
         self.staged = None
         self._resume(staged, changed=False, rolled_back=True)
         self._count("rolled_back")
-        log.warning("rank %d rolled back to generation %d (%s)", self.server.rank,
-                    self.generation, why)
+        log.warning("rank %d rolled back to generation %d (%s; %s, pinned in %.3f s)",
+                    self.server.rank, self.generation, why, staged.previous.kind,
+                    getattr(staged.previous, "pin_seconds", 0.0))
         return True
 
     def _resume(self, staged: Staged, *, changed: bool, rolled_back: bool = False) -> None:

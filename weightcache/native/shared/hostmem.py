@@ -14,17 +14,41 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from . import libc
 
-MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
+MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
+MADV_POPULATE_WRITE = 23
 SLICE_BYTES = 1 << 30  # a thread's unit of population (huge-page aligned)
+# Host memory a large buffer of ours must leave free (so that it never pushes the node into OOM).
+RESERVE_BYTES = 512 << 20
 
 _madvise = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process may still take: MemAvailable, capped by its cgroup v2 limit.
+
+    The cgroup matters in a pod: the node may have memory to spare while the container's
+    limit is nearly reached, and exceeding it gets the daemon OOM-killed mid-update."""
+    avail: int | None = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        rel = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((group / "memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    return avail
 
 
 def address(buf: mmap.mmap) -> int:
@@ -36,36 +60,43 @@ def address(buf: mmap.mmap) -> int:
         del view
 
 
-def _populate(addr: int, length: int) -> bool:
-    assert _madvise is not None
-    return _madvise(addr, length, MADV_POPULATE_WRITE) == 0
+def populate(addr: int, length: int, advice: int = MADV_POPULATE_WRITE,
+             threads: int | None = None) -> int:
+    """Fault `length` bytes at `addr` in with `advice` (MADV_POPULATE_WRITE for fresh memory,
+    MADV_POPULATE_READ for a file mapping), a slice per thread: 0, or the first slice's errno.
+
+    The first slice runs here alone: on a kernel without the advice (EINVAL before 5.14) no
+    thread is started. After a failure the remaining slices are skipped."""
+    if _madvise is None:
+        return errno.ENOSYS
+    slices = [(at, min(SLICE_BYTES, length - at)) for at in range(0, length, SLICE_BYTES)]
+    if not slices:
+        return 0
+    if _madvise(addr, slices[0][1], advice) != 0:
+        return ctypes.get_errno()
+    rest = slices[1:]
+    if not rest:
+        return 0
+    failed: list[int] = []  # the first errno; then the rest is skipped
+
+    def work(piece: tuple[int, int]) -> None:
+        if not failed and _madvise(addr + piece[0], piece[1], advice) != 0:
+            failed.append(ctypes.get_errno())
+
+    count = max(1, min(threads or os.cpu_count() or 1, len(rest)))
+    with ThreadPoolExecutor(count, thread_name_prefix="weightcache-populate") as pool:
+        list(pool.map(work, rest))
+    return failed[0] if failed else 0
 
 
 def populated(nbytes: int, threads: int | None = None) -> mmap.mmap:
     """A private anonymous mapping of `nbytes` (> 0), huge pages advised, its pages in place.
 
-    Returns the mapping even where population is refused (an older kernel): the pages then
-    come on first touch, as they would have anyway."""
+    Returns the mapping even where population is refused (an older kernel, or no memory now):
+    the pages then come on first touch, as they would have anyway."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP off in this kernel: 4 KiB pages
             buf.madvise(mmap.MADV_HUGEPAGE)
-    if _madvise is None:
-        return buf
-    base = address(buf)
-    slices = [(at, min(SLICE_BYTES, nbytes - at)) for at in range(0, nbytes, SLICE_BYTES)]
-    if not _populate(base, slices[0][1]):
-        return buf  # EINVAL before 5.14 (or no memory now): first touch does it
-    rest = slices[1:]
-    if not rest:
-        return buf
-    count = max(1, min(threads or os.cpu_count() or 1, len(rest)))
-    failed = threading.Event()  # no memory left: the rest comes on first touch, if at all
-
-    def work(piece: tuple[int, int]) -> None:
-        if not failed.is_set() and not _populate(base + piece[0], piece[1]):
-            failed.set()
-
-    with ThreadPoolExecutor(count, thread_name_prefix="weightcache-populate") as pool:
-        list(pool.map(work, rest))
+    populate(address(buf), nbytes, MADV_POPULATE_WRITE, threads)
     return buf
