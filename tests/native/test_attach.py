@@ -17,6 +17,7 @@ from torch import nn
 
 from weightcache.native.engine import attach as client
 from weightcache.native.engine.attach import (
+    DeviceMismatchError,
     FingerprintMismatchError,
     NotReadyError,
     attach,
@@ -183,6 +184,20 @@ def test_tp2_shards_match_a_manual_split(ckpt, sock_dir, preload):
         attach(ckpt, tp_size=2, tp_rank=1, socket_path=ready["sockets"][0], fallback=False,
                device_index=0, dtype="float32")
     assert "tp_rank" in info.value.fields
+    # Copy mode with a kept plan (rank 1's, from the loop) sends get_state right behind the
+    # hello: the hello's refusal (rank 1's device is not rank 0's) is what the engine sees,
+    # the daemon answered the state too (refused: the claim names rank 1), its reply went
+    # unread with the connection, and the daemon serves the next copy as before.
+    before = query(ready["sockets"][0], "stats")["requests"]["get_state"]
+    with pytest.raises(DeviceMismatchError):
+        attach(ckpt, tp_size=2, tp_rank=1, socket_path=ready["sockets"][0], fallback=False,
+               device_index=1, dtype="float32", mode="copy")
+    after = query(ready["sockets"][0], "stats")["requests"]["get_state"]
+    assert sum(after.values()) == sum(before.values()) + 1
+    assert after.get("ok", 0) == before.get("ok", 0)
+    copied = attach(ckpt, tp_size=2, tp_rank=0, socket_dir=sock_dir, fallback=False,
+                    dtype="float32", mode="copy")
+    assert copied.source == "cache" and copied.mode == "copy"
     # At TP=2 the shard rules decide the bytes: other rules are a mismatch.
     with pytest.raises(FingerprintMismatchError) as info:
         attach(ckpt, tp_size=2, tp_rank=0, socket_path=ready["sockets"][0], fallback=False,
