@@ -64,6 +64,8 @@ ENV_CACHE = "WEIGHTCACHE_CACHE"
 ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
 # A daemon rank's import set (weightcache.native.shared.importset): a file path, or "off".
 ENV_IMPORT_SET = "WEIGHTCACHE_IMPORT_SET"
+# Whether the rank imports torch only once its import set is read (1) or beside the read (0).
+ENV_IMPORT_SET_WAIT = "WEIGHTCACHE_IMPORT_SET_WAIT"
 IMPORT_SET_NAME = "import-set.json"
 
 # Environment of agent pods (downward API and plan path).

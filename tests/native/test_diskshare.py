@@ -223,6 +223,72 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     disk = p.wait_ready(120)["rank_loads"][0]["loader"]["disk"]
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_seconds", "gentle_switches",
-                         "most_faults_in_window"}
+                         "most_faults_in_window", "faults", "own_faults", "counts_own",
+                         "fault_times"}
+    assert disk["counts_own"] is False  # its device was open: the rank's start was over
+    assert 0 <= disk["own_faults"] <= disk["faults"]
     # A rank's early reads start gentle: at least that switch, and its time, are counted.
     assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
+
+
+def _counters(tmp_path: Path, system: int, own: int) -> tuple[str, str]:
+    """A vmstat and a proc_pid_stat(5) line with these counts (the command name holds
+    spaces and parentheses, as a real one may)."""
+    vmstat, stat = tmp_path / "vmstat", tmp_path / "stat"
+    tmp = tmp_path / "tmp"
+    tmp.write_text(f"pgfault 1\npgmajfault {system}\npswpin 0\n")
+    os.replace(tmp, vmstat)  # whole lines only: the sampler never sees half a file
+    tmp.write_text(f"4242 (python (x) y) S 1 2 3 4 5 6 7 8 {own} 0 0 0 0\n")
+    os.replace(tmp, stat)
+    return str(vmstat), str(stat)
+
+
+def test_this_process_fault_counter_is_its_own(cold_file):
+    before = diskshare.read_own_faults()
+    assert isinstance(before, int) and before >= 0
+    made = _fault(cold_file, 32)
+    assert made > 0
+    after = diskshare.read_own_faults()
+    assert after - before >= made
+    assert diskshare.read_own_faults("/nonexistent/stat") is None
+
+
+def test_the_own_counter_is_read_past_a_command_name_with_parentheses(tmp_path):
+    _, stat = _counters(tmp_path, 0, 42)
+    assert diskshare.read_own_faults(stat) == 42
+
+
+def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
+    """A running program's load (own=False) subtracts its own faults: CUDA faulting kernel
+    code in on a reader's first copy is not a program starting beside it. Faults of others
+    still make it gentle, and a rank's share counts its own until `ignore_own`."""
+    vmstat, stat = _counters(tmp_path, 1000, 500)
+    # 10 per window: the two files are read one after the other, so a sample may catch one
+    # step (5) of ours in the system's count and not yet in our own.
+    quiet = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
+                      own=False, own_source=stat).start()
+    starting = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
+                         own=True, own_source=stat).start()
+    try:
+        system, own = 1000, 500
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:  # only our own faults, 5 every 10 ms
+            system, own = system + 5, own + 5
+            _counters(tmp_path, system, own)
+            time.sleep(0.01)
+            assert not quiet.gentle, "its own faults made a running load gentle"
+        assert starting.gentle, "a starting rank's own faults went unseen"
+        starting.ignore_own()
+        assert _wait(lambda: not starting.gentle, 2), "ignore_own did not take"
+        system += 20  # another program faults
+        _counters(tmp_path, system, own)
+        assert _wait(lambda: quiet.gentle and starting.gentle, 2), "others' faults went unseen"
+    finally:
+        stats = quiet.stop()
+        starting.stop()
+    assert stats["own_faults"] == own - 500 and stats["faults"] == system - 1000
+    assert stats["counts_own"] is False
+    times = stats["fault_times"]  # [seconds, others', own] per sample that saw any
+    assert 0 < len(times) <= diskshare.TIMELINE
+    assert all(t[0] >= 0 and t[1] + t[2] > 0 for t in times)
+    assert sum(t[1] for t in times) >= 20 or len(times) == diskshare.TIMELINE

@@ -150,6 +150,7 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     p = preload(*args, env=env)
     first = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
     assert first["files"] == 0 and first["bytes"] == 0 and first["done"]
+    assert first["import_waited"] is None  # by default torch is imported beside the read
     set_file = tmp_path / "cache" / "weightcache" / importset.SET_NAME
     deadline = time.monotonic() + 60
     while not set_file.exists():
@@ -161,9 +162,13 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert not any(f["path"].endswith(".safetensors") for f in files)
     p.stop()
     written = set_file.stat().st_mtime_ns
-    p = preload(*args, env=env)
+    p = preload(*args, env={**env, importset.WAIT_ENV: "1"})
     again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
     assert again["done"] and again["files"] > 0 and again["bytes"] > 0
+    # Asked to, the rank imported torch only once the set was read (it waited, and not for
+    # the whole bound: the set was read by then).
+    assert again["import_waited"] is not None
+    assert 0 <= again["import_waited"] < importset.MAX_SECONDS
     time.sleep(1)  # a rank would write its set right after READY
     p.stop()
     assert set_file.stat().st_mtime_ns == written  # it still matched: kept as it was

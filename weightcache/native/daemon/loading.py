@@ -54,6 +54,8 @@ class LoadedShard:
 def load(config: RankConfig, ckpt: Checkpoint, rules: list[ShardRule], socket: Path,
          clock: PhaseClock, early: EarlyReads | None) -> LoadedShard:
     device = open_device(config, clock)
+    if early is not None and early.disk is not None:
+        early.disk.ignore_own()  # torch and the device are up: the rank's start is over
     layout, fingerprint = plan(config, ckpt, rules)
     drop_stale_socket(socket)
     clock.mark("plan_seconds")

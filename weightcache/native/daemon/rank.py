@@ -131,6 +131,8 @@ def run(config: RankConfig) -> int:
         if set_file is not None:  # what the last start read: read it ahead, in large reads
             held.prefetch = importset.Prefetch(importset.load(set_file)).start()
         held.early = start_early_reads(config, ckpt, held.prefetch)
+        if held.prefetch is not None:
+            held.prefetch.wait_for_import(PREFETCH_WAIT_S)
         from . import loading, server  # torch: only now that this rank holds its lock
 
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
@@ -210,7 +212,7 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
     if budget <= 0:
         return None
     # The early reads go gentle while the import faults (diskshare.py); the fill too.
-    disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE)
+    disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE, own=True)
     # After the import set (the disk reads that in well under a second), not beside it.
     return EarlyReads(ckpt.files, budget, disk=disk).start(
         prefetch.done if prefetch is not None else None, PREFETCH_WAIT_S)

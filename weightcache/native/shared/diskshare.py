@@ -25,6 +25,16 @@ HOLD seconds pass with no such window. A reader that starts with `read()` calls 
 (Python source files, for one) is not seen; its wait is shorter, because readahead brings
 whole files.
 
+A load's own faults are not another program starting. The counter is system-wide, and the
+process that loads faults too: CUDA loads a kernel's code lazily, on first launch, from
+libraries of hundreds of MB, and a reader's first copy faults those pages in. On the H200 the
+in-process loader, alone on the machine, went gentle for 1.5-2.9 s of a 10 s cold load with
+7 faults in its busiest window. So a share subtracts the faults of its own process
+(`/proc/self/stat`, majflt) once that process is no longer starting: from the first moment
+for a load inside a running program (`for_load`), from `ignore_own()` for a rank, whose
+`import torch` beside its early reads is the very program the share yields to, until its device
+is open. The share's stats say which faults it saw (`faults`, `own_faults`).
+
 Correctness does not depend on any of this: it changes only how many bytes are in flight and
 when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off (loadenv.py). Where `/proc/vmstat` cannot be
 read, the load never goes gentle.
@@ -56,6 +66,8 @@ START_GENTLE = 0.5
 GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
 VMSTAT = "/proc/vmstat"
+SELF_STAT = "/proc/self/stat"
+TIMELINE = 32
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
 _IOPRIO_CLASS_IDLE = 3
@@ -113,6 +125,18 @@ def read_faults(path: str = VMSTAT) -> int | None:
     return faults - (swapins or 0)
 
 
+def read_own_faults(path: str = SELF_STAT) -> int | None:
+    """This process's major page faults so far (all its threads); None where unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read()
+        # Fields after the command name, which may hold spaces and parentheses: majflt is
+        # field 12 of proc_pid_stat(5), the 10th after the closing parenthesis.
+        return int(text[text.rindex(b")") + 2:].split()[9])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class DiskShare:
     """One load's (one process's) share of the disk: full, or gentle while programs fault.
 
@@ -125,11 +149,14 @@ class DiskShare:
     def __init__(self, *, interval: float = INTERVAL, window: float = WINDOW,
                  faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
                  read: int = GENTLE_READ, source: str = VMSTAT,
-                 start_gentle: float = 0.0) -> None:
+                 start_gentle: float = 0.0, own: bool = True,
+                 own_source: str = SELF_STAT) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
+        self.own_source = own_source
+        self._count_own = own  # False: this process's own faults are subtracted (module doc)
         self.available = read_faults(source) is not None
         self._cond = threading.Condition()
         self._busy = 0
@@ -141,6 +168,11 @@ class DiskShare:
         self.gentle_seconds = 0.0
         self.switches = 0
         self.seen_faults = 0
+        self.faults_total = 0  # seen while it watched: system-wide, and this process's
+        self.own_total = 0
+        # When they came: [seconds since start(), others', own] per sample that saw any, the
+        # first TIMELINE of them (where a start's faults fall against its phases).
+        self.timeline: list[list[float]] = []
 
     # -- the monitor ----------------------------------------------------------------------
     def start(self) -> DiskShare:
@@ -158,20 +190,37 @@ class DiskShare:
         self._set(False, time.monotonic())
         return self.stats()
 
+    def ignore_own(self) -> None:
+        """From now on this process's own faults do not make the share gentle (its start is
+        over: module docstring)."""
+        self._count_own = False
+
     def _watch(self) -> None:
-        samples: deque[tuple[float, int]] = deque()
+        samples: deque[tuple[float, int, int]] = deque()
         # Gentle at the start counts as a fault START_GENTLE - HOLD seconds before it.
         last_busy = time.monotonic() - self.hold + self.start_gentle if self.start_gentle \
             else -1e9
+        first: tuple[int, int] | None = None
+        began = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
             count = read_faults(self.source)
             if count is None:
                 break
-            samples.append((now, count))
+            own = read_own_faults(self.own_source) or 0
+            if first is None:
+                first = (count, own)
+            if samples and count != samples[-1][1] and len(self.timeline) < TIMELINE:
+                mine = own - samples[-1][2]
+                self.timeline.append([round(now - began, 2), count - samples[-1][1] - mine,
+                                      mine])
+            self.faults_total, self.own_total = count - first[0], own - first[1]
+            samples.append((now, count, own))
             while len(samples) > 1 and samples[0][0] < now - self.window:
                 samples.popleft()
             recent = count - samples[0][1]
+            if not self._count_own:
+                recent -= own - samples[0][2]
             if recent >= self.faults:
                 last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
@@ -225,19 +274,22 @@ class DiskShare:
             gentle = self.gentle_seconds + (time.monotonic() - self._since if self._gentle
                                             else 0.0)
         return {"available": self.available, "gentle_seconds": round(gentle, 3),
-                "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults}
+                "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults,
+                "faults": self.faults_total, "own_faults": self.own_total,
+                "counts_own": self._count_own, "fault_times": list(self.timeline)}
 
 
-def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0
-             ) -> tuple[DiskShare | None, bool]:
+def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
+             own: bool = False) -> tuple[DiskShare | None, bool]:
     """The share a load uses: the one given (the caller started and stops it), else a new one
     when yielding is on (`WEIGHTCACHE_LOAD_YIELD`, loadenv.py) and the fault counter readable;
-    (share, started here)."""
+    (share, started here). `own`: count this process's faults too (a rank that is still
+    starting; it calls `ignore_own` once its device is open)."""
     if disk is not None:
         return disk, False
     if not loadenv.yielding():
         return None, False
-    mine = DiskShare(start_gentle=start_gentle)
+    mine = DiskShare(start_gentle=start_gentle, own=own)
     if not mine.available:
         return None, False
     return mine.start(), True

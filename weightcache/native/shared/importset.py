@@ -54,6 +54,7 @@ from . import libc
 PAGE = mmap.PAGESIZE
 ENV = constants.ENV_IMPORT_SET  # a path, or "off"; default: SET_NAME in the user's cache
 SET_NAME = constants.IMPORT_SET_NAME
+WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
 VERSION = 2  # 2: identities are [size, mtime_ns]
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
@@ -64,6 +65,14 @@ READ_BYTES = 4 << 20  # one read
 THREADS = 8
 
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+
+
+def import_waits() -> bool:
+    """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 imports torch once the set is read (at most the early
+    reads' wait), so that the import finds its pages in memory instead of faulting on the ones
+    the prefetch has not reached; 0 (default) imports beside the read. A bad value is the
+    default: a knob that only tunes speed never fails a start."""
+    return os.environ.get(WAIT_ENV, "").strip().lower() in {"1", "true", "yes"}
 
 
 def set_path() -> Path | None:
@@ -248,6 +257,7 @@ class Prefetch:
         self._started = 0.0
         self._seconds = 0.0
         self._threads: list[threading.Thread] = []
+        self.import_waited: float | None = None  # seconds the import waited for it, if it did
 
     def start(self) -> Prefetch:
         self._started = time.monotonic()
@@ -321,6 +331,13 @@ class Prefetch:
     def stop(self) -> None:
         self._stop.set()
 
+    def wait_for_import(self, timeout_s: float) -> None:
+        """Hold the import until the set is read (at most `timeout_s`), if `import_waits`."""
+        if import_waits():
+            t0 = time.monotonic()
+            self.done.wait(timeout_s)
+            self.import_waited = round(time.monotonic() - t0, 4)
+
     def needs_record(self) -> bool:
         """Whether this start should write the set anew: there was none, or some of it named
         files that changed (an upgrade). A set that still matches is kept as the first start
@@ -335,4 +352,4 @@ class Prefetch:
             return {"files": self._files_read, "unread": self._unread, "bytes": self._read,
                     "seconds": round(self._seconds if self.done.is_set()
                                      else time.monotonic() - self._started, 4),
-                    "done": self.done.is_set()}
+                    "done": self.done.is_set(), "import_waited": self.import_waited}
