@@ -539,22 +539,24 @@ def _get(d: dict, *keys: str) -> Any:
     return d
 
 
+def _rank0(ready: dict[str, Any]) -> dict[str, Any]:
+    """READY's report of its first rank ({} when there is none)."""
+    return (ready.get("rank_loads") or [{}])[0]
+
+
 def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
     """READY's phases of the (first) rank: start-up, CUDA, plan, allocate, fill+digest..."""
-    loads = ready.get("rank_loads") or [{}]
-    return loads[0].get("phases")
+    return _rank0(ready).get("phases")
 
 
 def _early(ready: dict[str, Any]) -> dict[str, Any] | None:
     """What the (first) rank read while it started, and how much of it the fill took."""
-    loads = ready.get("rank_loads") or [{}]
-    return loads[0].get("early")
+    return _rank0(ready).get("early")
 
 
 def _disk(ready: dict[str, Any]) -> dict[str, Any] | None:
     """The (first) rank's share of the disk: gentle seconds, and whose faults made it so."""
-    loads = ready.get("rank_loads") or [{}]
-    return (loads[0].get("loader") or {}).get("disk")
+    return (_rank0(ready).get("loader") or {}).get("disk")
 
 
 def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
@@ -583,8 +585,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
     if pc:
         s["preload_cold_early"] = _early(pc)
-        s["preload_cold_import_prefetch"] = (pc.get("rank_loads") or [{}])[0].get(
-            "import_prefetch")
+        s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
         s["preload_cold_disk"] = _disk(pc)
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early"):
@@ -595,8 +596,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s[f"{key}_phases"] = _phases(pp)
             s[f"{key}_early"] = _early(pp)
             s[f"{key}_disk"] = _disk(pp)
-            s[f"{key}_import_prefetch"] = (pp.get("rank_loads") or [{}])[0].get(
-                "import_prefetch")
+            s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
             for base in ("load_file_cold", "from_pretrained_cold"):
                 if s.get(f"{base}_s"):
                     s[f"{key}_ready_vs_{base}"] = round(s[f"{base}_s"] / pp["seconds"], 3)
@@ -609,7 +609,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         if nbytes and s["preload_warm_rank_load_s"]:
             s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
         s["preload_warm_ready_s"] = pw.get("seconds")
-        s["preload_warm_threads"] = ((pw.get("rank_loads") or [{}])[0].get("loader") or {}
+        s["preload_warm_threads"] = (_rank0(pw).get("loader") or {}
                                      ).get("threads")
         p32 = _get(r, "preload_warm_threads32", "ready")
         if p32 and nbytes and max(p32.get("load_seconds") or [0]):
