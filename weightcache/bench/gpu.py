@@ -232,11 +232,11 @@ def timed_threads(worker: Any, count: int) -> float:
     return time.perf_counter() - t0
 
 
-def raw_read_rate(files: list[Path], threads: int, direct: bool) -> dict[str, Any]:
+def raw_read_rate(files: list[Path], threads: int, direct: bool, chunk: int = 64 * MiB
+                  ) -> dict[str, Any]:
     """Disk (or page cache) read rate alone: parallel large reads, no GPU involved."""
     import numpy as np
 
-    chunk = 64 * MiB
     jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
     lock = threading.Lock()
     total = [0]
@@ -264,8 +264,8 @@ def raw_read_rate(files: list[Path], threads: int, direct: bool) -> dict[str, An
                 os.close(fd)
 
     dt = timed_threads(worker, threads)
-    return {"threads": threads, "direct": direct, "seconds": round(dt, 3),
-            "gb_per_s": round(total[0] / dt / GB, 2)}
+    return {"threads": threads, "direct": direct, "chunk_mib": chunk // MiB,
+            "seconds": round(dt, 3), "gb_per_s": round(total[0] / dt / GB, 2)}
 
 
 def h2d_rate(nbytes: int = 4 << 30) -> dict[str, Any]:

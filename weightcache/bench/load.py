@@ -21,9 +21,13 @@ loader, `weightcache preload` cold and warm with READY's phases, on the three la
 copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the checkpoint's files
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
 Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
-list of attach, restart, scaling (CUDA) and noearly (READY cold again with the rank's early
-reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what reading while the rank starts saves) and
-warmgrid (the warm preload again with 32 readers, against the warm default of one per core).
+list of attach, restart, scaling (CUDA), importwait (READY cold again with torch imported
+once the import set is read), readgrid (the device read, the loader and READY with the model
+cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with the model cold
+and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), noearly
+(READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
+reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
+against the warm default of one per core).
 """
 
 from __future__ import annotations
@@ -222,7 +226,9 @@ def loader_runs(model: Path, configs: list[dict[str, Any]], cold: bool) -> list[
         t0 = time.perf_counter()
         arena = default_transport(device).allocate(layout.nbytes, device)
         t_alloc = time.perf_counter() - t0
-        stats = load_into_arena(layout, arena.tensor(), digest=list(ckpt.files), **cfg)
+        with _knobs(cfg):
+            stats = load_into_arena(layout, arena.tensor(), digest=list(ckpt.files),
+                                    direct=cfg.get("direct"))
         total = time.perf_counter() - t0
         arena.close()
         if _cuda():
@@ -231,6 +237,28 @@ def loader_runs(model: Path, configs: list[dict[str, Any]], cold: bool) -> list[
                     "total_seconds": round(total, 3),
                     "total_gb_per_s": round(layout.nbytes / total / GB, 2)})
     return out
+
+
+@contextlib.contextmanager
+def _knobs(cfg: dict[str, Any]) -> Any:
+    """A loader config's threads and read size, through the knobs the loader reads."""
+    from weightcache.native.shared import loadenv
+
+    env = {}
+    if "threads" in cfg:
+        env[loadenv.THREADS_ENV] = str(cfg["threads"])
+    if "chunk" in cfg:
+        env[loadenv.CHUNK_ENV] = str(cfg["chunk"] // MiB)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def cat_read(files: list[Path]) -> dict[str, Any]:
@@ -485,7 +513,7 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_first_start"] = _safe("preload cold, a node's first start",
                                               preload_once, model_dir, files, True)
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
-    if full and _import_set() is not None:  # torch imported once the set is read, not beside
+    if full and "importwait" in parts and _import_set() is not None:  # import after the set
         r["preload_cold_import_wait"] = _safe(
             "preload cold, import after the set", preload_once, model_dir, files, True,
             {"WEIGHTCACHE_IMPORT_SET_WAIT": "1"})
@@ -497,6 +525,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     # process has them (it imported torch before they ran), on every layout.
     r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
                                     "model")
+    if "readgrid" in parts:  # the read size: the device read and the fill at 16 and 64 MiB
+        _read_grid(r, model_dir, files)
+    if "readgrid" in parts or "noyield" in parts:  # what the disk's share costs READY
+        for key, env in NOYIELD_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     if full and (grid or "noearly" in parts):
         r["preload_cold_model_no_early"] = _safe(
             "preload, model cold, early reads off", preload_once, model_dir, files, "model",
@@ -529,6 +562,28 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["restart"] = _safe("restart", restart_figures, model_dir, files)
     r["summary"] = summarize(r, nbytes)
     return r
+
+
+def _read_grid(r: dict[str, Any], model_dir: Path, files: list[Path]) -> None:
+    """Where the read size sets the disk's rate (it differs between machines of one kind):
+    the device read with 16 MiB reads and with 16 readers, the loader and READY with 64 MiB."""
+    drop(files)
+    r["direct_cold_32x16mib"] = _safe("32x16MiB O_DIRECT cold", g.raw_read_rate, files, 32,
+                                      True, 16 * MiB)
+    drop(files)
+    r["direct_cold_16x64mib"] = _safe("16x64MiB O_DIRECT cold", g.raw_read_rate, files, 16, True)
+    r["loader_cold_64mib"] = _safe("loader cold, 64 MiB", loader_runs, model_dir,
+                                   [dict(chunk=64 * MiB), dict(threads=16, chunk=64 * MiB)], True)
+    for key, env in GRID_READY.items():
+        r[key] = _safe(key, preload_once, model_dir, files, "model", env)
+
+
+GRID_READY = {  # READY with the model cold, at another read size
+    "preload_cold_model_chunk64": {"WEIGHTCACHE_LOAD_CHUNK_MIB": "64"},
+    "preload_cold_model_chunk64_t16": {"WEIGHTCACHE_LOAD_CHUNK_MIB": "64",
+                                       "WEIGHTCACHE_LOAD_THREADS": "16"},
+}
+NOYIELD_READY = {"preload_cold_model_noyield": {"WEIGHTCACHE_LOAD_YIELD": "off"}}
 
 
 def _get(d: dict, *keys: str) -> Any:
@@ -588,7 +643,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
         s["preload_cold_disk"] = _disk(pc)
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
-                "preload_cold_model", "preload_cold_model_no_early"):
+                "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
+                *NOYIELD_READY):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")
