@@ -224,7 +224,7 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_seconds", "gentle_switches",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
-                         "fault_times"}
+                         "fault_times", "settled_at"}
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
     # A rank's early reads start gentle: at least that switch, and its time, are counted.
@@ -292,3 +292,28 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
     assert 0 < len(times) <= diskshare.TIMELINE
     assert all(t[0] >= 0 and t[1] + t[2] > 0 for t in times)
     assert sum(t[1] for t in times) >= 20 or len(times) == diskshare.TIMELINE
+
+
+def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path):
+    """A rank whose import set was read whole settles its share: the start's gentle span and
+    the faults seen before are forgotten at once (those pages are in memory now), while a
+    fault after it makes the reads gentle again."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    share = DiskShare(interval=0.01, window=0.2, hold=5.0, start_gentle=30.0, source=vmstat,
+                      own_source=stat).start()
+    try:
+        _counters(tmp_path, 1010, 0)  # faults beside the set: gentle for at least `hold`
+        assert _wait(lambda: share.stats()["faults"] == 10, 2)
+        assert share.gentle and share.stats()["settled_at"] is None
+        share.settle()
+        assert not share.gentle, "settle() must take at once, not after the hold"
+        assert share.acquire(16 * MiB) == 16 * MiB
+        share.release()
+        time.sleep(0.3)  # well past a sample or two: the old faults stay forgotten
+        assert not share.gentle
+        assert share.stats()["settled_at"] is not None
+        _counters(tmp_path, 1011, 0)  # a program faults after it
+        assert _wait(lambda: share.gentle, 2), "a fault after settle() went unseen"
+    finally:
+        stats = share.stop()
+    assert stats["faults"] == 11 and 0 <= stats["settled_at"] < 5

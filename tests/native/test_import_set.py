@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.native.shared import importset
+from weightcache.native.shared import diskshare, importset
 from weightcache.native.shared.coldload import drop_page_cache
 from weightcache.native.shared.residency import resident, resident_pages
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
@@ -148,7 +148,8 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     env = {k: v for k, v in os.environ.items() if k != importset.ENV}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     p = preload(*args, env=env)
-    first = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    first_ready = p.wait_ready(120)["rank_loads"][0]
+    first = first_ready["import_prefetch"]
     assert first["files"] == 0 and first["bytes"] == 0 and first["done"]
     assert first["import_waited"] is None  # by default torch is imported beside the read
     set_file = tmp_path / "cache" / "weightcache" / importset.SET_NAME
@@ -163,8 +164,14 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     p.stop()
     written = set_file.stat().st_mtime_ns
     p = preload(*args, env={**env, importset.WAIT_ENV: "1"})
-    again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    ready = p.wait_ready(120)["rank_loads"][0]
+    again = ready["import_prefetch"]
     assert again["done"] and again["files"] > 0 and again["bytes"] > 0
+    # The set was read whole, so the rank's disk share was settled (diskshare.settle); the
+    # first start had none to read, so its share was not.
+    if diskshare.read_faults() is not None:
+        assert ready["loader"]["disk"]["settled_at"] is not None
+        assert first_ready["loader"]["disk"]["settled_at"] is None
     # Asked to, the rank imported torch only once the set was read (it waited, and not for
     # the whole bound: the set was read by then).
     assert again["import_waited"] is not None
@@ -196,3 +203,27 @@ def test_a_set_is_written_anew_only_when_missing_or_stale(tmp_path):
                                  "ranges": [(0, 8192)]}])
     stale.start().done.wait(10)
     assert stale.stats()["unread"] == 1 and stale.needs_record()
+
+
+def test_a_whole_set_says_so_once_read_and_calls_back_on_done(tmp_path):
+    """`whole()` (the rank settles its disk share on it) only for a non-empty set read as
+    recorded; `when_done` calls back once, at once when it is done already."""
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"x" * 8192)
+    ident = importset._identity(lib.stat())
+    calls: list[bool] = []
+    fresh = importset.Prefetch([{"path": str(lib), "identity": ident, "ranges": [(0, 8192)]}])
+    fresh.when_done(lambda: calls.append(fresh.whole()))
+    assert not fresh.whole()  # not started, not read
+    fresh.start().done.wait(10)
+    assert calls == [True] and fresh.whole()
+    fresh.when_done(lambda: calls.append(fresh.whole()))  # done already: called here
+    assert calls == [True, True]
+    nothing = importset.Prefetch([])
+    nothing.when_done(lambda: calls.append(nothing.whole()))
+    nothing.start()
+    assert calls[-1] is False  # no set: the libraries may be cold
+    stale = importset.Prefetch([{"path": str(lib), "identity": [ident[0], ident[1] + 1],
+                                 "ranges": [(0, 8192)]}])
+    stale.start().done.wait(10)
+    assert not stale.whole()

@@ -35,6 +35,10 @@ for a load inside a running program (`for_load`), from `ignore_own()` for a rank
 `import torch` beside its early reads is the very program the share yields to, until its device
 is open. The share's stats say which faults it saw (`faults`, `own_faults`).
 
+A rank that read its import set whole (importset.py) settles its share (`settle()`): the
+faults seen until then were of pages now in the page cache, so they and the start's gentle
+span are forgotten, and the reads go full at once; a fault after that makes them gentle again.
+
 Correctness does not depend on any of this: it changes only how many bytes are in flight and
 when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off (loadenv.py). Where `/proc/vmstat` cannot be
 read, the load never goes gentle.
@@ -163,6 +167,9 @@ class DiskShare:
         self._gentle = False
         self._since = 0.0
         self._stop = threading.Event()
+        self._settled = 0  # settle() calls; the monitor forgets what it saw before each
+        self.settled_at: float | None = None  # seconds from start() to the first settle()
+        self._began = time.monotonic()
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self.gentle_seconds = 0.0
@@ -176,6 +183,7 @@ class DiskShare:
 
     # -- the monitor ----------------------------------------------------------------------
     def start(self) -> DiskShare:
+        self._began = time.monotonic()
         if self.available and self._thread is None:
             if self.start_gentle > 0:
                 self._set(True, time.monotonic())
@@ -190,6 +198,16 @@ class DiskShare:
         self._set(False, time.monotonic())
         return self.stats()
 
+    def settle(self) -> None:
+        """The pages whose faults made it gentle are in memory now (the rank's import set was
+        read whole, importset.py): forget those faults and the start's gentle span, so the
+        reads go full at once. Any fault from now on makes it gentle again, as before."""
+        with self._cond:
+            self._settled += 1
+            if self.settled_at is None:
+                self.settled_at = round(time.monotonic() - self._began, 3)
+        self._set(False, time.monotonic())
+
     def ignore_own(self) -> None:
         """From now on this process's own faults do not make the share gentle (its start is
         over: module docstring)."""
@@ -202,7 +220,13 @@ class DiskShare:
             else -1e9
         first: tuple[int, int] | None = None
         began = time.monotonic()
+        settled = 0
         while not self._stop.is_set():
+            with self._cond:
+                if self._settled != settled:  # settle(): what came before no longer counts
+                    settled = self._settled
+                    samples.clear()
+                    last_busy = -1e9
             now = time.monotonic()
             count = read_faults(self.source)
             if count is None:
@@ -276,7 +300,8 @@ class DiskShare:
         return {"available": self.available, "gentle_seconds": round(gentle, 3),
                 "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults,
                 "faults": self.faults_total, "own_faults": self.own_total,
-                "counts_own": self._count_own, "fault_times": list(self.timeline)}
+                "counts_own": self._count_own, "fault_times": list(self.timeline),
+                "settled_at": self.settled_at}
 
 
 def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,

@@ -42,6 +42,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,11 +259,12 @@ class Prefetch:
         self._seconds = 0.0
         self._threads: list[threading.Thread] = []
         self.import_waited: float | None = None  # seconds the import waited for it, if it did
+        self._on_done: list[Callable[[], None]] = []
 
     def start(self) -> Prefetch:
         self._started = time.monotonic()
         if not self.files:
-            self.done.set()
+            self._finish()
             return self
         work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         for f in self.files:
@@ -285,13 +287,35 @@ class Prefetch:
                     last = left[0] == 0
                 if last:
                     self._seconds = time.monotonic() - self._started
-                    self.done.set()
+                    self._finish()
 
         self._threads = [threading.Thread(target=worker, name=f"weightcache-prefetch-{i}",
                                           daemon=True) for i in range(count)]
         for t in self._threads:
             t.start()
         return self
+
+    def _finish(self) -> None:
+        with self._lock:
+            self.done.set()
+            calls, self._on_done = self._on_done, []
+        for call in calls:
+            call()
+
+    def when_done(self, call: Callable[[], None]) -> None:
+        """Call `call` once `done` is set (at once if it is): on the thread that sets it."""
+        with self._lock:
+            if not self.done.is_set():
+                self._on_done.append(call)
+                return
+        call()
+
+    def whole(self) -> bool:
+        """Done, and every file of a non-empty set read as recorded: the pages the last
+        start read are in the page cache now."""
+        with self._lock:
+            return (self.done.is_set() and bool(self.files) and self._unread == 0
+                    and self._files_read == len(self.files))
 
     def _over(self) -> bool:
         return self._read >= MAX_BYTES or time.monotonic() - self._started > MAX_SECONDS
