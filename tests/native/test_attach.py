@@ -7,6 +7,7 @@ import logging
 import struct
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -192,7 +193,14 @@ def test_tp2_shards_match_a_manual_split(ckpt, sock_dir, preload):
     with pytest.raises(DeviceMismatchError):
         attach(ckpt, tp_size=2, tp_rank=1, socket_path=ready["sockets"][0], fallback=False,
                device_index=1, dtype="float32", mode="copy")
-    after = query(ready["sockets"][0], "stats")["requests"]["get_state"]
+    # The daemon's thread for that connection answers the state on its own time (the engine
+    # did not wait for it): give it that time.
+    deadline = time.monotonic() + 10
+    while True:
+        after = query(ready["sockets"][0], "stats")["requests"]["get_state"]
+        if sum(after.values()) > sum(before.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     assert sum(after.values()) == sum(before.values()) + 1
     assert after.get("ok", 0) == before.get("ok", 0)
     copied = attach(ckpt, tp_size=2, tp_rank=0, socket_dir=sock_dir, fallback=False,

@@ -174,3 +174,32 @@ def test_claim_digests_each_sampled_chunk_in_order_also_in_a_forked_child(tmp_pa
         if not ready:
             os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_copy_that_claims_after_it_landed_is_dropped_for_a_fine_tune(own_ckpt, tmp_path,
+                                                                     sock_dir, preload):
+    """Copy mode with a kept plan sends its content claim only once its copy has landed
+    (`check_claim`, protocol 4): for a fine-tune with the same headers the copy is dropped and
+    never returned; with fallback the engine loads its own files. The base is served."""
+    tuned = fine_tune(own_ckpt, tmp_path / "tuned")
+    ready = preload("--model", str(own_ckpt),
+                    "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    sock = ready["sockets"][0]
+    for _ in range(3):  # the first attach plans; the later ones keep the plan
+        with pytest.raises(FingerprintMismatchError) as err:
+            attach(tuned, socket_dir=sock_dir, fallback=False, mode="copy")
+        assert err.value.fields == ["content"]
+    res = attach(tuned, socket_dir=sock_dir, fallback=True, mode="copy")
+    assert res.source == "disk" and res.reason.startswith("fingerprint_mismatch")
+    assert same(res.state_dict, reference(tuned))
+    stats = query(sock, "stats")
+    assert stats["mismatches"]["content"] == 4  # every attempt, whichever way it claimed
+    # The kept plan's attaches claimed after their copy, and the daemon refused those claims.
+    assert stats["requests"]["check_claim"]["fingerprint_mismatch"] >= 2
+    assert "ok" not in stats["requests"]["check_claim"]
+    for _ in range(3):
+        hit = attach(own_ckpt, socket_dir=sock_dir, fallback=False, mode="copy")
+        assert hit.source == "cache" and same(hit.state_dict, reference(own_ckpt))
+    stats = query(sock, "stats")
+    assert stats["requests"]["check_claim"]["ok"] >= 2
+    assert stats["mismatches"]["content"] == 4

@@ -68,6 +68,34 @@ def test_get_state_without_fingerprint_is_a_bad_request(sock_path):
         assert reply["error"] == "bad_request" and fds == []
 
 
+def test_a_claim_after_the_state_is_for_copy_mode_only_and_a_bad_claim_is_refused(sock_path):
+    """`get_state {claim: "after"}` (protocol 4) only in copy mode and only with no content
+    in the fingerprint; `check_claim` refuses a malformed or wrong claim as a content
+    mismatch, counted, and no fds ever travel with either refusal."""
+    with raw_connect(sock_path) as s:
+        for req in ({"fingerprint": {}, "mode": "zero_copy", "claim": "after"},
+                    {"fingerprint": {}, "claim": "after"},
+                    {"fingerprint": {"content": {}}, "mode": "copy", "claim": "after"},
+                    {"fingerprint": {}, "mode": "copy", "claim": "before"}):
+            proto.send_frame(s, {"cmd": "get_state", **req})
+            reply, fds = proto.recv_frame(s, accept_fds=True)
+            assert reply["error"] == "bad_request" and fds == [], req
+        # Well formed but from nothing this daemon read: a mismatch on content alone.
+        proto.send_frame(s, {"cmd": "get_state", "fingerprint": {}, "mode": "copy",
+                             "claim": "after"})
+        reply, fds = proto.recv_frame(s, accept_fds=True)
+        assert reply["error"] == "fingerprint_mismatch" and "content" not in reply["fields"]
+        assert fds == []
+        for claim in (None, "x", {"chunk": 1, "hash": "blake3-128", "files": {}}):
+            proto.send_frame(s, {"cmd": "check_claim", "claim": claim})
+            reply, fds = proto.recv_frame(s, accept_fds=True)
+            assert reply["error"] == "fingerprint_mismatch" and reply["fields"] == ["content"]
+            assert fds == []
+    stats = query(sock_path, "stats")
+    assert stats["requests"]["check_claim"] == {"fingerprint_mismatch": 3}
+    assert stats["mismatches"]["content"] >= 3
+
+
 @pytest.mark.parametrize(
     ("data", "code"),
     [

@@ -56,6 +56,7 @@ class Connection:
     pool: limits.PeerLimiter
     started: float = field(default_factory=time.monotonic)
     served_state: bool = False
+    claim_owed: bool = False  # a `get_state {claim: "after"}` served, no `check_claim` yet
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -276,6 +277,13 @@ class RankServer:
         mode = req.get("mode", "zero_copy")
         if mode not in ("zero_copy", "copy"):
             return proto.error(proto.E_BAD_REQUEST, "get_state: mode must be zero_copy or copy"), []
+        later = req.get("claim")
+        if later not in (None, "after"):
+            return proto.error(proto.E_BAD_REQUEST, "get_state: claim must be \"after\""), []
+        if later and (mode != "copy" or "content" in expected):
+            # zero_copy: the engine serves from our arena itself, so its claim comes first.
+            return proto.error(proto.E_BAD_REQUEST, "get_state: a claim after the state is for"
+                               " copy mode only, with no content in the fingerprint"), []
         if wanted is not None and not isinstance(wanted, str):
             return proto.error(proto.E_BAD_REQUEST, "get_state: transport must be a string"), []
         if wanted is not None and wanted != self.transport_name:
@@ -285,15 +293,17 @@ class RankServer:
                 available=[self.transport_name],
             ), []
         if self.updates is None:
-            return self._state_reply(expected, mode, 1)
+            return self._state_reply(expected, mode, 1, bool(later))
         return self.updates.attach(
-            pid, mode, lambda generation: self._state_reply(expected, mode, generation))
+            pid, mode, lambda generation: self._state_reply(expected, mode, generation,
+                                                            bool(later)))
 
     def _state_reply(
-        self, expected: dict[str, Any], mode: str, generation: int
+        self, expected: dict[str, Any], mode: str, generation: int, claim_later: bool = False
     ) -> tuple[dict[str, Any], list[int]]:
         """Identity check, then the table and the arena's fds (under the updater's lock)."""
-        fields = fp.mismatched_fields(self.fingerprint, expected, self.content)
+        fields = fp.mismatched_fields(self.fingerprint, expected, self.content,
+                                      claim_later=claim_later)
         if fields:
             self.stats.mismatch(list(fields))
             return proto.error(
@@ -312,6 +322,25 @@ class RankServer:
             if mode == "zero_copy":
                 self.zero_copy_attaches += 1
             return reply, [os.dup(fd) for fd in fds]
+
+    def cmd_check_claim(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """(protocol 4) A copy-mode engine's content claim, sent once its copy has landed.
+
+        After `get_state {claim: "after"}` the engine holds bytes it may not use yet: it uses
+        them only if this answers ok, and otherwise drops them and loads from disk, exactly as
+        if `get_state` had refused its claim (the mismatch is counted the same way). The
+        content claim proves which bytes the engine's own files hold, never who may read the
+        arena (the socket's permissions and peer checks decide that). The reply carries the
+        update state, as `hello` does, so it is also the check that no update wrote the arena
+        while the engine copied it."""
+        why = content_mod.verify_claim(self.content, req.get("claim"))
+        if why is not None:
+            self.stats.mismatch(["content"])
+            return proto.error(proto.E_FINGERPRINT_MISMATCH,
+                               f"cached shard differs in: {fp.describe({'content': why})}",
+                               fields=["content"]), []
+        return proto.ok(ready=self.arena is not None,
+                        **({"update": self.updates.info()} if self.updates else {})), []
 
     def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Drop the daemon's arena: later engines fall back. Memory engines map stays theirs.
@@ -487,7 +516,11 @@ class RankServer:
         finally:
             _close_fds(fds)
         if cmd == "get_state" and reply.get("ok"):
-            c.served_state = True
+            # A claim still owed: the attach is counted once the claim holds (check_claim).
+            c.claim_owed = req.get("claim") == "after"
+            c.served_state = not c.claim_owed
+        elif cmd == "check_claim" and reply.get("ok") and c.claim_owed:
+            c.claim_owed, c.served_state = False, True
 
     def _close(self, c: Connection) -> None:
         """Abort the update this connection staged, count the attach, free its slot."""

@@ -89,8 +89,8 @@ class AttachResult:
     socket: str | None
     aliases: dict[str, str] = field(default_factory=dict)
     generation: int | None = None  # the cache's update generation served (None: from disk)
-    # Seconds per step of the cache path (plan, hello, get_plan, get_state, map, alloc,
-    # copy_queued, views, copy, release, check): what an attach spends where.
+    # Seconds per step of the cache path (plan, sent, hello, get_plan, get_state, map, alloc,
+    # copy_queued, views, copy, claimed, release, check): what an attach spends where.
     phases: dict[str, float] = field(default_factory=dict)
     plan: str = ""  # "kept", "shipped" (the daemon's) or "made" (planned here)
 
@@ -162,6 +162,10 @@ class ExpectedShard:
             except OSError as exc:
                 raise CheckpointError(f"cannot read a checkpoint file: {exc}") from None
         return self.fingerprint
+
+    def unclaimed(self) -> dict[str, Any]:
+        """The fingerprint without its content claim (`get_state {claim: "after"}`)."""
+        return {k: v for k, v in self.fingerprint.items() if k != "content"}
 
     @property
     def tensors(self) -> int:
@@ -403,28 +407,33 @@ def _check_table(plan: ExpectedShard, reply: dict[str, Any]) -> None:
 def _check_unchanged_after_copy(
     sock: socket.socket, since: float, path: Path, generation: Any, *,
     connect_timeout_s: float, state_timeout_s: float, meanwhile: Callable[[], None],
+    claim: dict[str, Any] | None = None,
 ) -> None:
     """`_check_unchanged`, asked on the attach's own connection while the daemon surely keeps
     it (its idle deadline is REQUEST_DEADLINE_S) and on a fresh one otherwise: a long copy
     may outlast the deadline, and a connection dropped anyway is asked again anew.
 
     The copy has landed before this is called, so the answer is about a moment after it:
-    `meanwhile()` (the unmapping) runs while the daemon answers."""
-    hello = None
+    `meanwhile()` (the unmapping) runs while the daemon answers. With the content `claim` of
+    a copy asked for with the claim after (`check_claim`), the same answer is also the
+    claim's verdict: a refused claim raises FingerprintMismatchError, and the copy is never
+    used."""
+    cmd, fields = ("check_claim", {"claim": claim}) if claim is not None else ("hello", {})
+    answer = None
     sent = False
     if time.monotonic() - since < REQUEST_DEADLINE_S / 2:
         with contextlib.suppress(DaemonUnavailableError, CacheProtocolError):
-            send_request(sock, "hello")
+            send_request(sock, cmd, **fields)
             sent = True
     meanwhile()
     if sent:
         with contextlib.suppress(DaemonUnavailableError, CacheProtocolError):
-            hello, _ = recv_reply(sock, "hello")
-    if hello is None:
+            answer, _ = recv_reply(sock, cmd)
+    if answer is None:
         with contextlib.closing(connect(path, timeout=connect_timeout_s)) as again:
             again.settimeout(state_timeout_s)
-            hello, _ = request(again, "hello")
-    _check_generation(hello, generation)
+            answer, _ = request(again, cmd, **fields)
+    _check_generation(answer, generation)
 
 
 def _check_unchanged(sock: socket.socket, generation: Any) -> None:
@@ -517,21 +526,28 @@ def _from_cache_unchecked(
             destination = _Destination(nbytes, spec.device, out)
 
     if isinstance(spec, ExpectedShard):
-        copy_to(spec.layout.nbytes)  # known already: allocate while we ask
+        # Known already: allocate while we ask. (Started after the requests instead, the
+        # sends took 0.33 ms instead of 0.77 on the H200, but the map 1.85 instead of 1.05,
+        # and copy mode was no faster: two runs on two machines, docs/performance.md.)
+        copy_to(spec.layout.nbytes)
     # Copy mode with a kept plan asks for the state right behind the hello, without waiting
-    # for its answer: the daemon reads one request at a time, so the second waits in the
-    # socket. That is one round trip less, but on the H200 the claim's hashing (`claimed`,
-    # 1.6-2.2 ms) was still the longer of the two, so copy mode gained little. If the hello refuses
-    # us, the connection closes with the state's reply unread (its fds with it), and a copy
-    # holds nothing: the daemon counts it as no blocker of updates. A zero_copy attach keeps
-    # the two apart, since the daemon counts a zero_copy export as an engine to pause.
+    # for its answer (the daemon reads one request at a time, so the second waits in the
+    # socket), and without its content claim: the claim's chunks hash while the arena is
+    # mapped and copied, and the claim goes with the after-copy check (`check_claim`, protocol
+    # 4). On the H200 the claim's hashing (1.6-2.2 ms) had been the bound in front of a 7 ms
+    # copy. The copy is used only if the daemon accepts the claim. If the hello refuses us,
+    # the connection closes with the state's reply unread (its fds with it), and a copy holds
+    # nothing: the daemon counts it as no blocker of updates. A zero_copy attach keeps the
+    # two apart and claims first, since it serves from the daemon's arena itself and the
+    # daemon counts a zero_copy export as an engine to pause.
     pipelined = mode == "copy" and isinstance(spec, ExpectedShard)
     with contextlib.closing(connect(path, timeout=connect_timeout_s)) as sock:
         send_request(sock, "hello")
         if pipelined:
             assert isinstance(spec, ExpectedShard)
-            send_request(sock, "get_state", fingerprint=spec.claimed(), mode=mode)
-            clock.mark("claimed")  # the claim's hashing done, both requests sent
+            send_request(sock, "get_state", fingerprint=spec.unclaimed(), mode=mode,
+                         claim="after")
+            clock.mark("sent")  # both requests sent; the claim still hashing
         hello, _ = recv_reply(sock, "hello")
         raise_for(hello)
         if hello.get("protocol") != proto.PROTOCOL_VERSION:
@@ -613,6 +629,12 @@ def _from_cache_unchecked(
             if plan.device.type == "cuda":
                 torch.cuda.synchronize(plan.device)  # the copy has landed
             clock.mark("copy")
+            try:
+                claim = plan.claimed()["content"] if pipelined else None
+            except BaseException:
+                imported.close()
+                raise
+            clock.mark("claimed")  # hashed while the copy ran: waits only if it did not
 
             def release() -> None:
                 # Unmapped here, on the engine's thread: the driver calls need this thread's
@@ -623,7 +645,7 @@ def _from_cache_unchecked(
 
             _check_unchanged_after_copy(sock, served_at, path, generation, meanwhile=release,
                                         connect_timeout_s=connect_timeout_s,
-                                        state_timeout_s=state_timeout_s)
+                                        state_timeout_s=state_timeout_s, claim=claim)
             clock.mark("check")
         # Copy mode no longer releases the cache: one engine's copy must not empty it for
         # every later engine on the GPU (release is the agent's decision, docs/native.md).

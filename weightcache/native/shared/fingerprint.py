@@ -105,18 +105,24 @@ def mismatched_fields(
     expected: dict[str, Any],
     actual: dict[str, Any],
     record: dict[str, content_mod.FileDigest] | None = None,
+    *,
+    claim_later: bool = False,
 ) -> dict[str, str]:
     """Fields that differ, each with why (in order of FIELDS; empty when they all match); a
     field missing on either side counts as different.
 
     With the daemon's per-file `record`, `content` is the client's claim, checked by
     content.verify_claim (once: its answer is the reason); without it the two `content`
-    values are compared as they are. `dtype` names what each side serves (rankplan.served_dtype).
+    values are compared as they are. `claim_later`: a copy-mode engine's claim comes after
+    its copy (`check_claim`), so `content` is not compared here. `dtype` names what each side
+    serves (rankplan.served_dtype).
     """
     if not isinstance(actual, dict):
         return {k: "" for k in FIELDS}
     out: dict[str, str] = {}
     for k in FIELDS:
+        if k == "content" and claim_later:
+            continue
         if k == "content" and record is not None:
             why = content_mod.verify_claim(record, actual.get(k))
             if why is not None:

@@ -25,7 +25,10 @@ from weightcache.errors import ProjectError
 # both ways: hello's protocol (client side), runtime_version in the fingerprint (daemon side).
 # 3: `get_plan` ships the daemon's plan to an engine whose plan key matches (plantable.py),
 # and `get_table` answers in pages (`start`, `next`). A v2 peer is refused as a v1 one was.
-PROTOCOL_VERSION = 3
+# 4: a copy-mode engine may ask `get_state {claim: "after"}` without its content claim and
+# send the claim once its copy has landed (`check_claim`, whose answer is also the after-copy
+# check): its hashing overlaps the copy instead of delaying it. A v3 peer is refused as above.
+PROTOCOL_VERSION = 4
 MAX_FRAME = 16 * 1024 * 1024
 MAX_FDS = 16
 _HEADER = struct.Struct(">I")
@@ -74,7 +77,8 @@ ERROR_CODES = frozenset(
         E_NO_ROLLBACK,
     }
 )
-COMMANDS = ("hello", "get_plan", "get_state", "get_memory", "release", "watch", "stats")
+COMMANDS = ("hello", "get_plan", "get_state", "check_claim", "get_memory", "release", "watch",
+            "stats")
 # In-place update commands, handled by native/daemon/updater.py (docs/updates.md).
 UPDATE_COMMANDS = (
     "get_table", "update_stage", "update_pause", "update_write", "update_finish", "update_abort"
