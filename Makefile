@@ -16,6 +16,15 @@ VLLM_VERSIONS := $(shell cat tests/conformance/versions.txt)
 VLLM_DIR := $(VENV)/vllm
 VLLM_REQS := tests/conformance/requirements-vllm-cpu.txt
 
+# `make test` runs the suite on TEST_JOBS pytest-xdist workers (auto: one per core). Most tests
+# wait on the processes they start (a daemon's ranks importing torch), so one worker leaves
+# about half of a 2-core machine idle; `worksteal` keeps each module's tests together on one
+# worker (module-scoped daemons start once) and moves tests only when a worker runs dry.
+# Bytecode is written (PYTHONDONTWRITEBYTECODE= overrides an environment that turns it off):
+# otherwise every worker re-rewrites ~140 test modules at collection and every daemon, rank
+# and attach process the suite starts compiles the package's modules again.
+TEST_JOBS ?= auto
+
 .PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean \
   vllm-conformance conformance images chart fuzz
 
@@ -62,7 +71,8 @@ lint: $(STAMP)
 test: $(STAMP) tools prometheus vllm-conformance
 	$(BIN)/ruff check .
 	$(BIN)/python -P -m weightcache.testing.layering  # lint-imports over the installed layout
-	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -rs
+	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 PYTHONDONTWRITEBYTECODE= \
+	  $(BIN)/python -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal
 
 # The property tests of the native cache with many more examples (minutes, not seconds).
 fuzz: $(STAMP)

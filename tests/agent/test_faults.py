@@ -93,11 +93,13 @@ def test_socket_dir_not_writable(agents, vllm_bin, tmp_path):
 def test_child_exits_during_load_native(agents, tmp_path):
     plan = make_plan(runtime="native", tensor=1, model=str(tmp_path / "missing-model"),
                      spec_extra={"device": "cpu"})
-    agent = agents(plan, args=["--max-load-failures", "2", "--backoff", "1.5"]).start()
+    # The backoff is the window in which the first status showing the restart must land (polls
+    # every 0.1 s): 4 s, not 1.5, so that a status call slowed by a loaded machine still does.
+    agent = agents(plan, args=["--max-load-failures", "2", "--backoff", "4"]).start()
     st = agent.wait(lambda s: s.restarts >= 1, timeout=60)
     assert st.ranks[0].state == 4  # FAILED while waiting for the backoff
     assert "daemon launcher exited with code 2" in st.ranks[0].message
-    assert "restarting in 1.5s" in st.message
+    assert "restarting in 4s" in st.message
     assert agent.wait_exit(timeout=60) == EXIT_DAEMON
     log = agent.log()
     assert "daemon launcher exited with code 2" in log

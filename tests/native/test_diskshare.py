@@ -294,14 +294,27 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
     assert sum(t[1] for t in times) >= 20 or len(times) == diskshare.TIMELINE
 
 
-def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path):
+def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path,
+                                                                           monkeypatch):
     """A rank whose import set was read whole settles its share: the start's gentle span and
     the faults seen before are forgotten at once (those pages are in memory now), while a
     fault after it makes the reads gentle again."""
     vmstat, stat = _counters(tmp_path, 1000, 0)
+    sampled = threading.Event()  # the sampler's first read is its baseline (1000 faults)
+
+    def read_and_tell(source):
+        try:
+            return read_faults(source)
+        finally:
+            if threading.current_thread().name == "diskshare":  # not __init__'s probe
+                sampled.set()
+
+    monkeypatch.setattr(diskshare, "read_faults", read_and_tell)
     share = DiskShare(interval=0.01, window=0.2, hold=5.0, start_gentle=30.0, source=vmstat,
                       own_source=stat).start()
     try:
+        # On a loaded machine the thread may first run after the next write: wait for it.
+        assert sampled.wait(30), "the sampler never read the counters"
         _counters(tmp_path, 1010, 0)  # faults beside the set: gentle for at least `hold`
         assert _wait(lambda: share.stats()["faults"] == 10, 2)
         assert share.gentle and share.stats()["settled_at"] is None
