@@ -330,3 +330,29 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
     finally:
         stats = share.stop()
     assert stats["faults"] == 11 and 0 <= stats["settled_at"] < 5
+
+
+def test_a_held_share_stays_gentle_without_faults_until_settled_or_let_go(tmp_path):
+    """Early reads beside the read of the import set (which faults nothing) stay gentle while
+    it runs, however long; `let_go` hands the choice back to the faults (none: full once the
+    start's span is over), `settle` ends it at once."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    share = DiskShare(interval=0.01, window=0.1, hold=0.1, start_gentle=0.05, source=vmstat,
+                      own_source=stat).start()
+    try:
+        share.hold_gentle()
+        time.sleep(0.5)  # many samples, no fault, the start's span long over
+        assert share.gentle, "a held share went full without a fault"
+        assert share.acquire(16 * MiB) == diskshare.GENTLE_READ
+        share.release()
+        share.let_go()
+        assert _wait(lambda: not share.gentle, 5), "let_go() left it gentle with no faults"
+        assert share.stats()["settled_at"] is None
+        share.hold_gentle()
+        assert share.gentle
+        share.settle()
+        assert not share.gentle, "settle() must end the hold at once"
+        time.sleep(0.2)
+        assert not share.gentle  # the hold stays ended
+    finally:
+        share.stop()

@@ -75,6 +75,31 @@ def test_a_mapped_file_lists_the_pages_it_faulted_and_a_prefetch_reads_them_back
     assert _resident(lib, 300 * PAGE, PAGE) and _resident(lib, 3 * PAGE, 2 * PAGE)
 
 
+def test_a_prefetch_reads_only_the_ranges_the_page_cache_lacks(tmp_path):
+    """Where only the model is cold (a restart), the set is in memory already: a range held
+    whole is not read (no memory copies in front of the early reads), a range the page cache
+    lacks is, and the set still counts as read whole (the rank's share settles on it)."""
+    held = tmp_path / "held.so"
+    held.write_bytes(os.urandom(64 * PAGE))
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        os.pread(fd, 64 * PAGE, 0)  # in the page cache now
+    finally:
+        os.close(fd)
+    if not _resident(held):
+        pytest.skip("this kernel keeps no page cache for the test's files")
+    cold = _file(tmp_path / "cold.so", 32)
+    files = [{"path": str(f), "identity": importset._identity(f.stat()),
+              "ranges": [(0, f.stat().st_size)]} for f in (held, cold)]
+    pf = importset.Prefetch(files).start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["resident_bytes"] == 64 * PAGE  # held: skipped
+    assert stats["bytes"] == 32 * PAGE  # cold: read
+    assert stats["files"] == 2 and stats["unread"] == 0 and pf.whole()
+    assert _resident(cold)
+
+
 def test_a_changed_file_is_skipped_and_module_files_are_whole(tmp_path):
     """A file whose identity changed since the set was written is not read at all; imported
     modules are listed with their whole bytecode file."""
@@ -166,7 +191,8 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     p = preload(*args, env={**env, importset.WAIT_ENV: "1"})
     ready = p.wait_ready(120)["rank_loads"][0]
     again = ready["import_prefetch"]
-    assert again["done"] and again["files"] > 0 and again["bytes"] > 0
+    assert again["done"] and again["files"] > 0
+    assert again["bytes"] + again["resident_bytes"] > 0  # read, or found in memory already
     # The set was read whole, so the rank's disk share was settled (diskshare.settle); the
     # first start had none to read, so its share was not.
     if diskshare.read_faults() is not None:
@@ -176,9 +202,20 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     # the whole bound: the set was read by then).
     assert again["import_waited"] is not None
     assert 0 <= again["import_waited"] < importset.MAX_SECONDS
+    if ready["early"] is not None:  # by default the early reads waited for the set
+        assert ready["early"]["waited_seconds"] is not None
     time.sleep(1)  # a rank would write its set right after READY
     p.stop()
     assert set_file.stat().st_mtime_ns == written  # it still matched: kept as it was
+    # Early reads beside the set (0): they start at once, gentle until it is read (the share
+    # holds them), then settle.
+    p = preload(*args, env={**env, importset.EARLY_WAIT_ENV: "0"})
+    beside = p.wait_ready(120)["rank_loads"][0]
+    if beside["early"] is not None:
+        assert beside["early"]["waited_seconds"] is None
+    if diskshare.read_faults() is not None:
+        assert beside["loader"]["disk"]["settled_at"] is not None
+    p.stop()
     assert not any("import-set" in n for n in os.listdir(sock_dir))
     set_file.unlink()
     p = preload(*args, env={**env, importset.ENV: "off"})

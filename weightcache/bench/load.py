@@ -24,7 +24,10 @@ Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PA
 list of attach, restart, scaling (CUDA), importwait (READY cold again with torch imported
 once the import set is read), readgrid (the device read, the loader and READY with the model
 cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with the model cold
-and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), noearly
+and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), beside (READY cold, with every
+cache dropped and with the model cold, the rank's early reads starting beside its import
+set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`, then the default
+with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
 against the warm default of one per core).
@@ -508,7 +511,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     # READY cold on every layout: the cache must beat from_pretrained on each of them. On the
     # main layout first as a node's very first start (no import set yet), then as any later
     # start of a node whose page cache was dropped (the set the earlier start wrote).
-    if full and (found := _import_set()) is not None:
+    # A node's first start on the main layout, or on whichever layout runs first when the
+    # main one is not measured (every later cold start then has the set it wrote).
+    if (found := _import_set()) is not None and (full or not found.exists()):
         found.unlink(missing_ok=True)
         r["preload_cold_first_start"] = _safe("preload cold, a node's first start",
                                               preload_once, model_dir, files, True)
@@ -530,6 +535,12 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     if "readgrid" in parts or "noyield" in parts:  # what the disk's share costs READY
         for key, env in NOYIELD_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
+    if "beside" in parts and _import_set() is not None:
+        for key, cold in BESIDE_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, cold, BESIDE_ENV)
+        # The default once more, after them: what the order of the runs alone moves.
+        r["preload_cold_model_again"] = _safe("preload, model cold, again", preload_once,
+                                              model_dir, files, "model")
     if full and (grid or "noearly" in parts):
         r["preload_cold_model_no_early"] = _safe(
             "preload, model cold, early reads off", preload_once, model_dir, files, "model",
@@ -584,6 +595,10 @@ GRID_READY = {  # READY with the model cold, at another read size
                                        "WEIGHTCACHE_LOAD_THREADS": "16"},
 }
 NOYIELD_READY = {"preload_cold_model_noyield": {"WEIGHTCACHE_LOAD_YIELD": "off"}}
+# The early reads beside the import set's read, gentle until it is read, instead of after it:
+# every cache dropped (True) and only the model cold ("model").
+BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model"}
+BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
 
 
 def _get(d: dict, *keys: str) -> Any:
@@ -644,7 +659,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_disk"] = _disk(pc)
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
-                *NOYIELD_READY):
+                *NOYIELD_READY, *BESIDE_READY, "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")

@@ -47,7 +47,6 @@ import ctypes
 import errno
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -62,6 +61,7 @@ from ..shared import content as content_mod
 from ..shared import hostmem, libc
 from ..shared.coldload import share_chunks
 from ..shared.residency import resident
+from ..shared.threads import Pool
 
 log = logging.getLogger("weightcache.update")
 
@@ -449,16 +449,18 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
             steps["pin_seconds"] = time.monotonic() - t
 
         # Pinning and the digest run side by side: both read the same page-cache pages.
-        pinning = threading.Thread(target=_capture(pin_all, errors), name="weightcache-pin")
-        pinning.start()
+        pin_run = _capture(pin_all, errors)
+        pinning = Pool(lambda _: pin_run(), 1, "weightcache-pin").start()
         t_digest = time.monotonic()
         try:
             if known is None:
                 content_mod.digest_into(sink, {p: f.fd for p, f in files.items()},
                                         workers=threads)
             steps["digest_seconds"] = time.monotonic() - t_digest  # its own time, not the pin's
-        finally:
-            pinning.join()
+            pinning.wait()
+        except BaseException:
+            pinning.close()  # a signal's exception too waits for the pins (threads.py)
+            raise
         if errors:
             raise errors[0]
         record = sink.record() if known is None else dict(known)

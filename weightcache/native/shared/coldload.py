@@ -62,6 +62,7 @@ from .earlyread import (
     span_of,
 )
 from .residency import resident
+from .threads import Pool
 
 MiB = 1 << 20
 # Bytes in flight set the virtual disk's rate (H200 VM, 16 GB, cold, in process: 16 x 16 MiB
@@ -655,7 +656,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     device = flat.device
     cpu = threading.Semaphore(cpu_slots(count))
 
-    def worker() -> None:
+    def worker(_: int) -> None:
         reader = None
         try:
             if device.type == "cuda":
@@ -680,17 +681,12 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
                     readers.append(reader)
                 reader.close()
 
-    pool = [threading.Thread(target=worker, name=f"coldload-{i}") for i in range(count)]
+    pool = Pool(worker, count, "coldload")
     try:
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
+        pool.start().wait()
     except BaseException as exc:  # a signal's exception: stop the readers, then go
         errors.append(exc)
-        for t in pool:
-            if t.is_alive():
-                t.join()
+        pool.close()  # never Thread.join after a signal: it can lose a running thread (threads.py)
         raise
     if device.type == "cuda":
         torch.cuda.synchronize(device)

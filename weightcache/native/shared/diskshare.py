@@ -38,6 +38,9 @@ is open. The share's stats say which faults it saw (`faults`, `own_faults`).
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
 span are forgotten, and the reads go full at once; a fault after that makes them gentle again.
+A rank whose early reads start beside that read (`WEIGHTCACHE_EARLY_READS_WAIT=0`) holds its
+share gentle until then (`hold_gentle()`): the read is plain `read()` calls, which fault
+nothing, yet it is the start's own disk work.
 
 Correctness does not depend on any of this: it changes only how many bytes are in flight and
 when. `WEIGHTCACHE_LOAD_YIELD=off` turns it off (loadenv.py). Where `/proc/vmstat` cannot be
@@ -168,6 +171,7 @@ class DiskShare:
         self._since = 0.0
         self._stop = threading.Event()
         self._settled = 0  # settle() calls; the monitor forgets what it saw before each
+        self._held = False  # gentle whatever the faults say, until settle() or let_go()
         self.settled_at: float | None = None  # seconds from start() to the first settle()
         self._began = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -198,11 +202,25 @@ class DiskShare:
         self._set(False, time.monotonic())
         return self.stats()
 
+    def hold_gentle(self) -> None:
+        """Gentle from now until `settle()` or `let_go()`, faults or none: a rank's early
+        reads beside the read of its import set, which faults nothing (plain `read()` calls)
+        yet is the start's own disk work."""
+        with self._cond:
+            self._held = True
+        self._set(True, time.monotonic())
+
+    def let_go(self) -> None:
+        """End `hold_gentle()` without settling: the faults decide again, as at any time."""
+        with self._cond:
+            self._held = False
+
     def settle(self) -> None:
         """The pages whose faults made it gentle are in memory now (the rank's import set was
         read whole, importset.py): forget those faults and the start's gentle span, so the
         reads go full at once. Any fault from now on makes it gentle again, as before."""
         with self._cond:
+            self._held = False
             self._settled += 1
             if self.settled_at is None:
                 self.settled_at = round(time.monotonic() - self._began, 3)
@@ -248,7 +266,7 @@ class DiskShare:
             if recent >= self.faults:
                 last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
-            self._set(now - last_busy < self.hold, now)
+            self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
 
     def _set(self, gentle: bool, now: float) -> None:

@@ -47,6 +47,7 @@ from . import loadenv
 from .content import CHUNK_BYTES, FileIdentity
 from .diskshare import DiskShare, idle_io_priority
 from .residency import resident
+from .threads import Pool
 
 MiB = 1 << 20
 PAGE = loadenv.PAGE
@@ -125,13 +126,14 @@ class EarlyReads:
         self._order: list[_Job] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pool: list[threading.Thread] = []
+        self._pool: Pool | None = None
         self._after: threading.Event | None = None
         self._wait_s = 0.0
         self._map: mmap.mmap | None = None
         self.read_bytes = self.direct_bytes = self.taken_bytes = self.resident_bytes = 0
         self.idle_io = False
         self.started = self.seconds = 0.0
+        self.waited: float | None = None  # seconds the first reader waited for `after`
         used = 0
         try:
             for path in sorted(Path(p) for p in files):
@@ -165,10 +167,7 @@ class EarlyReads:
         self.started = time.perf_counter()
         self._after, self._wait_s = after, wait_s
         count = min(self.threads, len(self._order))
-        self._pool = [threading.Thread(target=self._work, args=(i,), name=f"early-{i}",
-                                       daemon=True) for i in range(count)]
-        for t in self._pool:
-            t.start()
+        self._pool = Pool(self._work, count, "early", daemon=True).start()
         return self
 
     def _claim(self, index: int) -> _Job | None:
@@ -188,7 +187,10 @@ class EarlyReads:
         if idle_io_priority():
             self.idle_io = True
         if self._after is not None:
+            t0 = time.perf_counter()
             self._after.wait(self._wait_s)
+            if index == 0:
+                self.waited = round(time.perf_counter() - t0, 4)
         try:
             while (job := self._claim(index)) is not None:
                 ok = self._read(job, direct_fds)
@@ -241,15 +243,19 @@ class EarlyReads:
 
     def join(self) -> None:
         """Wait until every job within the budget was read (a test's, or a tool's, wait)."""
-        for t in self._pool:
-            t.join()
+        if self._pool is not None:
+            self._pool.wait()
 
     def stop(self) -> dict[str, Any]:
         """No new reads; wait for those in flight. Idempotent (the figures of the first stop)."""
         first = not self._stop.is_set()
         self._stop.set()
-        for t in self._pool:
-            t.join()
+        if self._pool is not None:
+            try:
+                self._pool.wait()
+            except BaseException:  # a signal's: the reads in flight still end before it goes
+                self._pool.close()
+                raise
         if self.started and first:
             self.seconds = time.perf_counter() - self.started
         return self.stats()
@@ -258,7 +264,7 @@ class EarlyReads:
         return {"budget_bytes": self.budget, "read_bytes": self.read_bytes,
                 "direct_bytes": self.direct_bytes, "taken_bytes": self.taken_bytes,
                 "resident_bytes": self.resident_bytes, "idle_io": self.idle_io,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "waited_seconds": self.waited}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
         """Keep the jobs of files the fill opened as the same, unchanged file; drop the rest."""

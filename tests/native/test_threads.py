@@ -1,0 +1,94 @@
+"""A signal during a pool's start or wait leaves no work running behind its caller
+(`weightcache.native.shared.threads`): after `close()`, every thread that began its work has
+ended it and no other begins, which `Thread.join` after a signal cannot promise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from weightcache.native.shared.threads import Pool
+
+
+class Stop(BaseException):
+    pass
+
+
+def _raise(signum, frame):
+    raise Stop()
+
+
+@pytest.fixture
+def alarm():
+    old = signal.signal(signal.SIGALRM, _raise)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _worker(began: list[int], ended: list[int], stop: threading.Event, signal_first: bool):
+    def target(i: int) -> None:
+        began.append(i)
+        if i == 0 and signal_first:
+            os.kill(os.getpid(), signal.SIGALRM)  # while the rest of the pool starts
+        stop.wait(0.3)
+        ended.append(i)
+    return target
+
+
+def test_a_signal_while_the_pool_starts_leaves_no_work_running_after_close(alarm):
+    began: list[int] = []
+    ended: list[int] = []
+    stop = threading.Event()
+    pool = Pool(_worker(began, ended, stop, True), 48, "pool")
+    with pytest.raises(Stop):
+        pool.start()
+        pool.wait()
+    stop.set()
+    pool.close()
+    assert pool.working == 0
+    seen = sorted(began)
+    assert sorted(ended) == seen  # every thread that began its work ended it
+    time.sleep(0.3)
+    assert sorted(began) == seen  # and none began after close()
+
+
+def test_a_signal_during_the_wait_leaves_no_work_running_after_close(alarm):
+    """`Thread.join` interrupted by a signal marks a running thread stopped on CPython 3.11 and
+    3.12 (bpo-45274's except clause); the pool's own count does not."""
+    began: list[int] = []
+    ended: list[int] = []
+    never = threading.Event()
+    pool = Pool(_worker(began, ended, never, False), 4, "pool").start()
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with pytest.raises(Stop):
+        pool.wait()
+    assert pool.working > 0  # the signal came while they worked
+    pool.close()
+    assert sorted(ended) == sorted(began) == [0, 1, 2, 3] and pool.working == 0
+    assert not any(t.name.startswith("pool-") for t in threading.enumerate())
+
+
+def test_a_closed_pool_starts_no_work():
+    began: list[int] = []
+    pool = Pool(began.append, 3, "pool")
+    pool.close()
+    pool.start().wait()
+    assert began == [] and pool.working == 0
+
+
+def test_a_thread_that_cannot_start_leaves_the_others_waited_for():
+    began: list[int] = []
+    pool = Pool(lambda i: (time.sleep(0.1), began.append(i)), 2, "pool")
+    used = threading.Thread(target=lambda: None)
+    used.start()
+    used.join()
+    pool.threads[1] = used  # a thread starts once: Pool.start's second start() raises
+    with pytest.raises(RuntimeError):
+        pool.start()
+    pool.wait()  # the one that started
+    assert began == [0]
