@@ -216,16 +216,13 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
     # now in memory, and the libraries the import still needs are there: full reads at once
     # (on the H200, READY with the share off was 0.7-0.8 s sooner: run14).
     disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE, own=True)
-    after = None
+    after = prefetch.done if prefetch is not None else None  # after the import set
     if disk is not None and prefetch is not None:
         share = disk
-        if importset.early_reads_wait():
-            after = prefetch.done  # after the import set, not beside it
-        else:  # beside it, gentle until it is read
+        if not importset.early_reads_wait():  # beside it, gentle until it is read
             share.hold_gentle()
+            after = None
         prefetch.when_done(lambda: share.settle() if prefetch.whole() else share.let_go())
-    elif prefetch is not None:
-        after = prefetch.done  # no share to keep them gentle: after the set
     return EarlyReads(ckpt.files, budget, disk=disk).start(after, PREFETCH_WAIT_S)
 
 

@@ -77,17 +77,26 @@ _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_
 def import_waits() -> bool:
     """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 imports torch once the set is read (at most the early
     reads' wait), so that the import finds its pages in memory instead of faulting on the ones
-    the prefetch has not reached; 0 (default) imports beside the read. A bad value is the
-    default: a knob that only tunes speed never fails a start."""
-    return os.environ.get(WAIT_ENV, "").strip().lower() in {"1", "true", "yes"}
+    the prefetch has not reached; 0 (default) imports beside the read."""
+    return _flag(WAIT_ENV, False)
 
 
 def early_reads_wait() -> bool:
     """`WEIGHTCACHE_EARLY_READS_WAIT`: 1 (default) starts a rank's early reads once its set is
     read; 0 starts them at once, gentle (diskshare.py) until it is, so that the disk is not
-    idle while the set is read from memory or from many small files. A bad value is the
-    default."""
-    return os.environ.get(EARLY_WAIT_ENV, "").strip().lower() not in {"0", "false", "no"}
+    idle while the set is read from memory or from many small files."""
+    return _flag(EARLY_WAIT_ENV, True)
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A yes/no knob; a bad value is the default: a knob that only tunes speed never fails a
+    start."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in {"1", "true", "yes"}:
+        return True
+    if text in {"0", "false", "no"}:
+        return False
+    return default
 
 
 def set_path() -> Path | None:
