@@ -177,11 +177,20 @@ def test_claim_digests_each_sampled_chunk_in_order_also_in_a_forked_child(tmp_pa
 
 
 def test_a_copy_that_claims_after_it_landed_is_dropped_for_a_fine_tune(own_ckpt, tmp_path,
-                                                                     sock_dir, preload):
+                                                                     sock_dir, preload,
+                                                                     monkeypatch):
     """Copy mode with a kept plan sends its content claim only once its copy has landed
     (`check_claim`, protocol 4): for a fine-tune with the same headers the copy is dropped and
     never returned; with fallback the engine loads its own files. The base is served."""
+    import time
+
+    from weightcache.native.engine import plancache
+
     tuned = fine_tune(own_ckpt, tmp_path / "tuned")
+    # A plan is kept only for files older than the racy window when planning starts: with the
+    # default 2 s, a daemon READY sooner than that (CI did) leaves no attach a kept plan.
+    monkeypatch.setattr(plancache, "RACY_S", 0.2)
+    time.sleep(0.3)
     ready = preload("--model", str(own_ckpt),
                     "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
     sock = ready["sockets"][0]
