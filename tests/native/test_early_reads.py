@@ -9,6 +9,8 @@ read again (never the old bytes, never the old digests).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from weightcache.native.engine.attach import query
 from weightcache.native.shared import content
 from weightcache.native.shared.checkpoint import open_checkpoint
 from weightcache.native.shared.coldload import drop_page_cache, load_entries, plan_jobs, span_of
+from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
     BUDGET_ENV,
     EarlyReads,
@@ -215,4 +218,49 @@ def test_a_checkpoint_of_many_files_keeps_descriptors_bounded(tmp_path, monkeypa
     want, plain = _fill(model, None)
     assert torch.equal(got, want) and stats.record == plain.record
     assert stats.early_bytes == early.read_bytes == sum(f.stat().st_size for f in files)
+    early.close()
+
+
+class _HeldDisk(DiskShare):
+    """A disk whose first read waits until `go`: an early read still in flight when the fill
+    starts. (The pacing is the stand-in here; the early reads and the fill are the real code.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def acquire(self, want: int) -> int:
+        self.entered.set()
+        self.go.wait(30)
+        return want
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_read_in_flight_when_the_fill_starts_is_taken_once_it_lands(model):
+    """The fill starts without waiting for the early reads in flight (a drain leaves the
+    disk's queue short while the fill sets up), and takes such a job once it has landed
+    instead of reading it again: the same bytes and record as a fill without early reads."""
+    files = open_checkpoint(model).files
+    disk = _HeldDisk()
+    early = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=1, direct=True, disk=disk).start()
+    assert disk.entered.wait(10)  # the one early reader's first job is at the disk
+    out: list = []
+    filler = threading.Thread(target=lambda: out.append(_fill(model, early)))
+    filler.start()
+    deadline = time.monotonic() + 10
+    while early.stats()["seconds"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the fill accepted the early reads: it did not wait for the read
+    accepted = early.stats()["seconds"] > 0
+    time.sleep(0.2)
+    assert not out  # the fill waits for the job in flight rather than finishing without it
+    disk.go.set()
+    filler.join(30)
+    assert accepted and out
+    got, stats = out[0]
+    want, plain = _fill(model, None)
+    first = cover_spans(files[0].stat().st_size, early.span)[0]
+    assert stats.early_bytes == early.taken_bytes == early.read_bytes == first[1] - first[0]
+    assert torch.equal(got, want) and stats.record == plain.record
     early.close()

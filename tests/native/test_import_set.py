@@ -264,3 +264,24 @@ def test_a_whole_set_says_so_once_read_and_calls_back_on_done(tmp_path):
                                  "ranges": [(0, 8192)]}])
     stale.start().done.wait(10)
     assert not stale.whole()
+
+
+def test_the_rank_process_reads_its_set_ahead_before_it_imports_numpy_or_torch(tmp_path):
+    """`python -m weightcache.native.daemon` starts the read-ahead first: what it imports for
+    that must not pull in numpy or torch, whose files are what the set reads ahead."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from weightcache.native.shared.importset import start_prefetch\n"
+            "found, prefetch = start_prefetch()\n"
+            "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules), found,"
+            " prefetch is not None)\n")
+    env = {**os.environ, importset.ENV: str(tmp_path / "set.json")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == ["[]", str(tmp_path / "set.json"), "True"]
+    env[importset.ENV] = "off"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == ["[]", "None", "False"]

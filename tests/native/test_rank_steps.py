@@ -123,3 +123,32 @@ def test_a_loaded_shard_is_served_step_by_step_in_process(ckpt, sock_dir):
         if shard is not None:
             shard.arena.close()
         held.lock.release()
+
+
+def test_a_stop_signal_while_the_lock_is_taken_waits_until_it_can_be_released(
+        ckpt, sock_dir, monkeypatch):
+    """A SIGTERM while the rank takes its socket's lock is only noted (a `Stop` raised inside
+    `claim_socket` left the lock file behind: the launcher's stop of a starting rank, seen in
+    CI); once the lock is held the rank stops, and gives the lock back."""
+    import signal
+
+    from weightcache.contracts.vocabulary import EXIT_OK
+    from weightcache.native.shared.identity import cpu_identity, socket_path
+
+    monkeypatch.setattr(rank._Serving, "abandon", True)
+    monkeypatch.setattr(rank._Serving, "pending", False)
+    claim = rank.claim_socket
+    seen: list[bool] = []
+
+    def claim_then_signal(config):
+        held = claim(config)
+        rank._on_signal(signal.SIGTERM, None)  # the handler, as the signal would run it here
+        seen.append(Path(f"{held.path}.lock").exists())
+        return held
+
+    monkeypatch.setattr(rank, "claim_socket", claim_then_signal)
+    config = config_for("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    assert rank.run(config, (None, None)) == EXIT_OK
+    lock = Path(f"{socket_path(sock_dir, cpu_identity(0))}.lock")
+    assert seen == [True] and not lock.exists()
+    assert not socket_path(sock_dir, cpu_identity(0)).exists()

@@ -92,3 +92,29 @@ def test_a_thread_that_cannot_start_leaves_the_others_waited_for():
         pool.start()
     pool.wait()  # the one that started
     assert began == [0]
+
+
+
+@pytest.mark.parametrize("close_early", [False, True])
+def test_on_last_runs_once_after_every_thread_even_those_closed_out(close_early):
+    """`on_last` runs exactly once, on the thread that ends last, after all the work (the
+    import set's prefetch sets its `done` there): also when `close()` kept threads out."""
+    ended: list[int] = []
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def target(i: int) -> None:
+        gate.wait(5)
+        ended.append(i)
+
+    pool = Pool(target, 4, "last", on_last=lambda: calls.append(len(ended)))
+    if close_early:
+        pool.close()  # the threads started after it do nothing
+    pool.start()
+    gate.set()
+    pool.wait()
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # a second call would have come by now
+    assert calls == [0 if close_early else 4]

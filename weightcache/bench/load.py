@@ -325,6 +325,67 @@ class Launcher:
         g.stop_process(self.proc)
 
 
+class DiskTimeline:
+    """The checkpoint's block device, sampled while READY comes (`/sys/dev/block/M:m/stat`):
+    what it read in each BIN_S and the reads it had in flight, so a READY that trails the
+    device read shows where the disk stood idle or ran short of reads."""
+
+    BIN_S = 0.25
+
+    def __init__(self, path: Path, interval: float = 0.05) -> None:
+        st = os.stat(path)
+        self.stat = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+        self.interval = interval
+        self.samples: list[tuple[float, int, int]] = []  # (seconds, sectors read, in flight)
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="disk-timeline", daemon=True)
+        if self._read() is not None:
+            self._thread.start()
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            if self.stat.exists():
+                fields = self.stat.read_text().split()
+                return int(fields[2]), int(fields[8])
+            # An overlay or other virtual file system: every physical disk, summed.
+            sectors = flight = 0
+            for line in Path("/proc/diskstats").read_text().splitlines():
+                f = line.split()
+                if Path(f"/sys/block/{f[2]}/device").exists():
+                    sectors, flight = sectors + int(f[5]), flight + int(f[11])
+            return sectors, flight
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            got = self._read()
+            if got is None:
+                return
+            self.samples.append((time.perf_counter() - self._t0, *got))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, Any] | None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if len(self.samples) < 2:
+            return None
+        bins: dict[int, list[Any]] = {}
+        for (_, s0, _), (t1, s1, q1) in zip(self.samples, self.samples[1:], strict=False):
+            b = bins.setdefault(int(t1 / self.BIN_S), [0, 0, 0])
+            b[0] += (s1 - s0) * 512
+            b[1] += q1
+            b[2] += 1
+        last = max(bins)
+        rows = [[round(k * self.BIN_S, 2), round(bins[k][0] / self.BIN_S / GB, 2),
+                 round(bins[k][1] / bins[k][2], 1)] if k in bins else [round(k * self.BIN_S, 2),
+                                                                       0.0, 0.0]
+                for k in range(last + 1)]
+        return {"bin_s": self.BIN_S, "columns": ["t_s", "gb_per_s", "in_flight"], "rows": rows}
+
+
 def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | None = None
                  ) -> dict:
     """READY of a real `weightcache preload`; `cold`: True drops every cache, "model" only the
@@ -334,9 +395,15 @@ def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | N
     else:
         g._warm(files)
     sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
-    launcher = Launcher(model, sockdir, env)
+    timeline = DiskTimeline(files[0]) if cold else None
+    try:
+        launcher = Launcher(model, sockdir, env)
+    finally:
+        disk = timeline.stop() if timeline is not None else None
     try:
         summary = launcher.summary()
+        if disk is not None:
+            summary["disk_timeline"] = disk
         _wait_for_import_set()
         return summary
     finally:
@@ -518,6 +585,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_first_start"] = _safe("preload cold, a node's first start",
                                               preload_once, model_dir, files, True)
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
+    # What a user does without the cache, as READY with every cache dropped does it: a fresh
+    # interpreter that imports torch (and transformers) and loads, from a dropped page cache.
+    for key, source in PROCESS_BASES.items():
+        drop(files)
+        r[key] = _safe(key, process_baseline, source, model_dir)
     if full and "importwait" in parts and _import_set() is not None:  # import after the set
         r["preload_cold_import_wait"] = _safe(
             "preload cold, import after the set", preload_once, model_dir, files, True,
@@ -589,6 +661,48 @@ def _read_grid(r: dict[str, Any], model_dir: Path, files: list[Path]) -> None:
         r[key] = _safe(key, preload_once, model_dir, files, "model", env)
 
 
+PROCESS_BASES = {"from_pretrained_process_cold": "from_pretrained",
+                 "load_file_process_cold": "load_file"}
+# What each fresh process runs: its imports, its CUDA start, the weights on the device.
+_PROCESS_CODE = {
+    "from_pretrained": (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "dev = sys.argv[2]\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16,"
+        " device_map=dev if dev == 'cuda' else None)\n"),
+    "load_file": (
+        "import pathlib, sys, torch\n"
+        "from safetensors.torch import load_file\n"
+        "dev = sys.argv[2]\n"
+        "state = {}\n"
+        "for f in sorted(pathlib.Path(sys.argv[1]).glob('*.safetensors')):\n"
+        "    state.update(load_file(str(f), device=dev))\n"),
+}
+
+
+def process_baseline(source: str, model_dir: Path, timeout_s: float = 300) -> dict[str, Any]:
+    """A fresh process' load, from its spawn to the weights on the device: its interpreter,
+    imports and CUDA start included, as READY includes the rank's."""
+    code = _PROCESS_CODE[source] + (
+        "torch.cuda.synchronize() if dev == 'cuda' else None\n"
+        "print('LOADED', flush=True)\n")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, str(model_dir), DEVICE],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+        seconds = time.perf_counter() - t0
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"{source} in a fresh process: no result in {timeout_s} s") from None
+    if line.strip() != "LOADED":
+        raise RuntimeError(f"{source} in a fresh process: exit {proc.returncode}: {err[-800:]}")
+    return {"seconds": round(seconds, 3)}
+
+
 GRID_READY = {  # READY with the model cold, at another read size
     "preload_cold_model_chunk64": {"WEIGHTCACHE_LOAD_CHUNK_MIB": "64"},
     "preload_cold_model_chunk64_t16": {"WEIGHTCACHE_LOAD_CHUNK_MIB": "64",
@@ -629,6 +743,16 @@ def _disk(ready: dict[str, Any]) -> dict[str, Any] | None:
     return (_rank0(ready).get("loader") or {}).get("disk")
 
 
+def _disk_short(timeline: dict[str, Any] | None, r: dict[str, Any]) -> float | None:
+    """Seconds of the device read's rate that READY's disk timeline lacks, summed over its
+    bins (the disk idle, or reading slower than it can): where READY trails the device read."""
+    rate = _get(r, "direct_cold", "gb_per_s")
+    if not timeline or not rate:
+        return None
+    return round(sum(timeline["bin_s"] * max(0.0, 1 - row[1] / rate)
+                     for row in timeline["rows"]), 2)
+
+
 def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     s: dict[str, Any] = {}
     cat, direct = _get(r, "cat_cold", "seconds"), _get(r, "direct_cold", "seconds")
@@ -639,7 +763,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["loader_cold_s"] = loader[0]["total_seconds"]
         s["loader_cold_vs_device_read"] = round(bound / loader[0]["total_seconds"], 3)
     for key in ("load_file_cold", "from_pretrained_cold", "load_file_warm",
-                "from_pretrained_warm"):
+                "from_pretrained_warm", *PROCESS_BASES):
         v = _get(r, key, "seconds")
         if v:
             s[f"{key}_s"] = v
@@ -650,9 +774,11 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_rank_load_s"] = fill
         s["preload_cold_ready_vs_device_read"] = round(bound / pc["seconds"], 3)
         s["preload_cold_phases"] = _phases(pc)
-        for key in ("load_file_cold", "from_pretrained_cold"):
+        for key in ("load_file_cold", "from_pretrained_cold", *PROCESS_BASES):
             if s.get(f"{key}_s"):
                 s[f"preload_cold_ready_vs_{key}"] = round(s[f"{key}_s"] / pc["seconds"], 3)
+    if (lost := _disk_short(_get(r, "preload_cold", "disk_timeline"), r)) is not None:
+        s["preload_cold_disk_short_s"] = lost
     if pc:
         s["preload_cold_early"] = _early(pc)
         s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
@@ -668,7 +794,9 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s[f"{key}_early"] = _early(pp)
             s[f"{key}_disk"] = _disk(pp)
             s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
-            for base in ("load_file_cold", "from_pretrained_cold"):
+            if (lost := _disk_short(_get(r, key, "disk_timeline"), r)) is not None:
+                s[f"{key}_disk_short_s"] = lost
+            for base in ("load_file_cold", "from_pretrained_cold", *PROCESS_BASES):
                 if s.get(f"{base}_s"):
                     s[f"{key}_ready_vs_{base}"] = round(s[f"{base}_s"] / pp["seconds"], 3)
     lw = _get(r, "loader_warm")

@@ -103,8 +103,8 @@ def child(source: str, model_dir: str, sock: str | None, spawned: float) -> dict
     info: dict[str, Any] = {"source": source, "compile": compile_mode, "device": device}
     if source == "from_pretrained":
         marks["build_on_meta"] = 0.0
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                     device_map=dev)
+        model = AutoModelForCausalLM.from_pretrained(  # a CPU device map needs accelerate
+            model_dir, dtype=torch.bfloat16, device_map=dev if device == "cuda" else None)
         _sync(torch, device)
         step("weights")
     else:

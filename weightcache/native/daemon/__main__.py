@@ -1,7 +1,15 @@
-"""`python -m weightcache.native.daemon`: one daemon rank, as the launcher starts it."""
+"""`python -m weightcache.native.daemon`: one daemon rank, as the launcher starts it.
+
+The import set's read-ahead starts before anything else is imported: the rank's own modules
+(and numpy, which they import) are in the set (importset.py).
+"""
 
 import sys
 
-from .rank import main
+from ..shared.importset import start_prefetch
 
-sys.exit(main())
+started = start_prefetch()
+
+from .rank import main  # noqa: E402  (after the read-ahead has started)
+
+sys.exit(main(prefetch=started))

@@ -72,12 +72,16 @@ class _Serving:
 
     `abandon` is true while a signal may abandon the load by raising `Stop`; the handler
     clears it before raising, so a second signal (the launcher's SIGTERM after a Ctrl-C that
-    reached the whole process group) can never raise again inside the cleanup.
+    reached the whole process group) can never raise again inside the cleanup. While the
+    socket's lock is being taken (`claim_socket`) nothing owns it yet to release it, so a stop
+    signal then is only noted (`pending`) and raised once `_Held` holds the lock: a `Stop`
+    raised in between left the lock file behind.
     """
 
     server: RankServer | None = None
     listener: socket.socket | None = None
     abandon: bool = True
+    pending: bool = False
 
 
 @dataclass
@@ -113,23 +117,31 @@ class _Held:
         self.lock.release()
 
 
-def run(config: RankConfig) -> int:
+def run(config: RankConfig,
+        prefetch: tuple[Path | None, importset.Prefetch | None] | None = None) -> int:
     """Check input, take the lock, then (and only then) import torch, load, bind, serve.
 
     Taking the lock before importing torch makes a second daemon for the same device fail
-    in a fraction of a second.
+    in a fraction of a second. `prefetch`: the import set's read-ahead, if the process
+    started it before importing this module (`__main__`); else it starts here.
     """
     clock = PhaseClock()
+    _Serving.abandon = False  # a stop signal from here waits until `held` owns the lock
     try:
         ckpt, rules = read_input(config)
         held = claim_socket(config)
     except RankRefused as exc:
         log.error("%s", exc)
+        if prefetch is not None and prefetch[1] is not None:
+            prefetch[1].stop()
         return exc.code
     try:
-        set_file = importset.set_path()
-        if set_file is not None:  # what the last start read: read it ahead, in large reads
-            held.prefetch = importset.Prefetch(importset.load(set_file)).start()
+        _Serving.abandon = True
+        if _Serving.pending:  # the signal that came while the lock was taken
+            _Serving.abandon = False
+            raise Stop()
+        # What the last start read: read it ahead, in large reads.
+        set_file, held.prefetch = prefetch or importset.start_prefetch()
         held.early = start_early_reads(config, ckpt, held.prefetch)
         if held.prefetch is not None:
             held.prefetch.wait_for_import(PREFETCH_WAIT_S)
@@ -273,6 +285,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         if _Serving.abandon:
             _Serving.abandon = False
             raise Stop()
+        _Serving.pending = True  # taking the lock, or cleaning up: `run` sees it
         return
     server.stopping.set()
     # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
@@ -287,7 +300,9 @@ def _die_with_parent(parent_pid: int | None) -> None:
         raise Stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         prefetch: tuple[Path | None, importset.Prefetch | None] | None = None) -> int:
+    """The rank's process; `prefetch` as `run` takes it."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -303,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         _die_with_parent(config.parent_pid)
-        return run(config)
+        return run(config, prefetch)
     except Stop:
         return EXIT_OK
 

@@ -208,8 +208,12 @@ class RankServer:
             ready=self.arena is not None,
             pid=os.getpid(),
             content=self.fingerprint.get("content"),
-            **({"update": self.updates.info()} if self.updates else {}),
+            **self._update_info(),
         ), []
+
+    def _update_info(self) -> dict[str, Any]:
+        """What `hello` and `check_claim` say of updates: an engine compares the two."""
+        return {"update": self.updates.info()} if self.updates else {}
 
     def cmd_get_memory(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         held = self.arena is not None
@@ -339,8 +343,7 @@ class RankServer:
             return proto.error(proto.E_FINGERPRINT_MISMATCH,
                                f"cached shard differs in: {fp.describe({'content': why})}",
                                fields=["content"]), []
-        return proto.ok(ready=self.arena is not None,
-                        **({"update": self.updates.info()} if self.updates else {})), []
+        return proto.ok(ready=self.arena is not None, **self._update_info()), []
 
     def cmd_release(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Drop the daemon's arena: later engines fall back. Memory engines map stays theirs.

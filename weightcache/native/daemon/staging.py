@@ -220,7 +220,7 @@ class FileImage:
         ordinal = self._ordinal
         assert ordinal is not None
         try:
-            _parallel(lambda f: _register(f, ordinal), self._unpinned, len(self._unpinned))
+            _register_all(self._unpinned, ordinal)
         except ImageRefused as exc:
             log.warning("%s: writing through host memory", exc)
             return False
@@ -369,6 +369,12 @@ def _map(f: _File) -> None:
         log.debug("MADV_POPULATE_READ of %s: %s", f.path, os.strerror(err))
 
 
+def _register_all(files: list[Any], ordinal: int) -> None:
+    """Pin every file's mapping for the device, one thread per file (ImageRefused if the
+    driver refuses one)."""
+    _parallel(lambda f: _register(f, ordinal), files, len(files))
+
+
 def _register(f: _File, ordinal: int) -> None:
     from ..shared.transport import _cuda
 
@@ -445,7 +451,7 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
                 _map(f)
             if pin and not pin_later:
                 assert ordinal is not None
-                _parallel(lambda f: _register(f, ordinal), pin, len(pin))
+                _register_all(pin, ordinal)
             steps["pin_seconds"] = time.monotonic() - t
 
         # Pinning and the digest run side by side: both read the same page-cache pages.

@@ -173,7 +173,7 @@ class DiskShare:
         self._settled = 0  # settle() calls; the monitor forgets what it saw before each
         self._held = False  # gentle whatever the faults say, until settle() or let_go()
         self.settled_at: float | None = None  # seconds from start() to the first settle()
-        self._began = time.monotonic()
+        self._began = time.monotonic()  # start() sets it anew: its clock counts from there
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self.gentle_seconds = 0.0

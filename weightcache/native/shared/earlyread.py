@@ -7,9 +7,12 @@ right after the rank holds its lock, before torch is imported, and reads the fil
 will read, in the fill's own jobs (the content chunk grid, `cover_spans`), straight into one
 anonymous host mapping. When the fill starts it takes those jobs from memory (`take`: a memory
 copy into its pinned buffers, hashed there like any other job) and reads only the rest from
-the disk; the reads stop at once (`stop`). The early reads do not hash, and there are few of
-them (DEFAULT_THREADS): while torch imports, that one thread must keep a CPU to itself (from
-the page cache, every early read is a kernel memory copy that wants a CPU too).
+the disk; no new early read starts from then on (`accept`), and the ones in flight finish
+beside the fill, which waits for such a job when it comes to it rather than read it again
+(draining them first left the disk's queue short while the fill set up). The early reads do not
+hash, and there are few of them (DEFAULT_THREADS): while torch imports, that one thread must
+keep a CPU to itself (from the page cache, every early read is a kernel memory copy that wants
+a CPU too).
 
 Why not warm the page cache instead (what a prefetcher does): the page cache may evict what was
 read before the fill wants it, and buffered reads from many threads defeat readahead. Here each
@@ -39,15 +42,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from . import loadenv
 from .content import CHUNK_BYTES, FileIdentity
 from .diskshare import DiskShare, idle_io_priority
 from .residency import resident
 from .threads import Pool
+
+if TYPE_CHECKING:  # numpy is imported by `take`, in the fill: not before the import set
+    import numpy as np
 
 MiB = 1 << 20
 PAGE = loadenv.PAGE
@@ -124,7 +128,8 @@ class EarlyReads:
         self._fds: dict[Path, int] = {}
         self._jobs: dict[tuple[Path, int, int], _Job] = {}
         self._order: list[_Job] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # also signals a read that finished (`take`)
+        self._refused: set[Path] = set()  # files the fill did not open as these very files
         self._stop = threading.Event()
         self._pool: Pool | None = None
         self._after: threading.Event | None = None
@@ -193,9 +198,13 @@ class EarlyReads:
                 self.waited = round(time.perf_counter() - t0, 4)
         try:
             while (job := self._claim(index)) is not None:
-                ok = self._read(job, direct_fds)
-                with self._lock:
-                    job.state = 2 if ok else 3
+                ok = False
+                try:
+                    ok = self._read(job, direct_fds)
+                finally:  # never left "reading": the fill may be waiting for it (`take`)
+                    with self._lock:
+                        job.state = 2 if ok and job.path not in self._refused else 3
+                        self._lock.notify_all()
         finally:
             for fd in direct_fds.values():
                 os.close(fd)
@@ -267,26 +276,41 @@ class EarlyReads:
                 "seconds": round(self.seconds, 3), "waited_seconds": self.waited}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
-        """Keep the jobs of files the fill opened as the same, unchanged file; drop the rest."""
-        self.stop()
+        """The fill starts: no new early reads, and only the jobs of files it opened as the
+        same, unchanged file are kept. The reads in flight are not waited for (a drain would
+        leave the disk without a full queue while the fill sets up): they finish beside the
+        fill, which takes them when done (`take`)."""
         with self._lock:
+            if not self._stop.is_set() and self.started:
+                self.seconds = time.perf_counter() - self.started
+            self._stop.set()
+            for path, ident in self.identities.items():
+                if identities.get(path) != ident:
+                    self._refused.add(path)
             for job in self._order:
-                if job.state == 2 and identities.get(job.path) != self.identities.get(job.path):
+                if job.state == 2 and job.path in self._refused:
                     job.state = 3
 
     def holds(self, path: Path, start: int, end: int) -> bool:
+        """Read already, or being read (`take` waits for it)."""
         with self._lock:
             job = self._jobs.get((path, start, end))
-            return job is not None and job.state == 2
+            return job is not None and job.state in (1, 2) and path not in self._refused
 
     def take(self, path: Path, start: int, end: int) -> np.ndarray | None:
-        """The bytes [start, end) of `path`, once; None if they were not read."""
+        """The bytes [start, end) of `path`, once; None if they were not read. A read still
+        in flight is waited for: it is already at the disk, and the fill's own would queue
+        behind it."""
         with self._lock:
             job = self._jobs.get((path, start, end))
+            while job is not None and job.state == 1:
+                self._lock.wait()
             if job is None or job.state != 2 or self._map is None:
                 return None
             job.state = 3
             self.taken_bytes += end - start
+        import numpy as np
+
         return np.frombuffer(self._map, dtype=np.uint8, count=end - start, offset=job.at)
 
     def close(self) -> None:

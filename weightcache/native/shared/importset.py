@@ -31,6 +31,11 @@ the cache's that outlives its pods (`constants.daemon_state_dir`, operator/resou
 the socket directory: engines mount that, and it holds sockets only. The set is written
 atomically (a private temporary file, then rename) and read only if it is a regular file of
 ours, not writable by others, at most MAX_SET_BYTES long; anything else is ignored.
+
+The prefetch is the first thing a rank process does (`python -m weightcache.native.daemon`
+runs `start_prefetch` before it imports the rank's own modules): those modules, numpy among
+their imports (60-200 ms of imports on a warm machine, longer from a cold disk), are in the set
+too. So this module, and what it imports, stay free of numpy and torch.
 """
 
 from __future__ import annotations
@@ -48,8 +53,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from weightcache import constants
 
@@ -128,6 +131,8 @@ def _coalesce(ranges: list[tuple[int, int]]) -> list[list[int]]:
 
 def _mapped_ranges() -> dict[str, list[tuple[int, int]]]:
     """path -> the resident file ranges of this process' file-backed mappings."""
+    import numpy as np  # here, not at the top: numpy's own files are in the set (module doc)
+
     found: dict[str, list[tuple[int, int]]] = {}
     if _mincore is None:
         return found
@@ -229,6 +234,16 @@ def _forget_stale(path: Path) -> None:
                 tmp.unlink()
 
 
+def start_prefetch() -> tuple[Path | None, Prefetch | None]:
+    """(where the set lives, its prefetch started now); (None, None) when turned off. Never
+    raises: a start must not fail over a read-ahead."""
+    try:
+        found = set_path()
+        return found, (Prefetch(load(found)).start() if found is not None else None)
+    except Exception:  # an unreadable home, a thread that cannot start: no read-ahead
+        return None, None
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     """The files of the import set at `path`; [] if there is none we can trust or parse."""
     try:
@@ -281,7 +296,6 @@ class Prefetch:
         self._unread = 0
         self._started = 0.0
         self._seconds = 0.0
-        self._pool: Pool | None = None
         self.import_waited: float | None = None  # seconds the import waited for it, if it did
         self._on_done: list[Callable[[], None]] = []
 
@@ -296,24 +310,19 @@ class Prefetch:
         count = min(THREADS, len(self.files))
         for _ in range(count):
             work.put(None)
-        left = [count]
 
         def worker(_: int) -> None:
             buf = bytearray(READ_BYTES)
-            try:
-                while (f := work.get()) is not None:
-                    if self._stop.is_set() or self._over():
-                        continue
-                    self._one(f, memoryview(buf))
-            finally:
-                with self._lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    self._seconds = time.monotonic() - self._started
-                    self._finish()
+            while (f := work.get()) is not None:
+                if self._stop.is_set() or self._over():
+                    continue
+                self._one(f, memoryview(buf))
 
-        self._pool = Pool(worker, count, "weightcache-prefetch", daemon=True).start()
+        def last() -> None:
+            self._seconds = time.monotonic() - self._started
+            self._finish()
+
+        Pool(worker, count, "weightcache-prefetch", daemon=True, on_last=last).start()
         return self
 
     def _finish(self) -> None:

@@ -32,11 +32,13 @@ from collections.abc import Callable
 
 
 class Pool:
-    """`count` threads, each running `target(index)` once it passes the gate."""
+    """`count` threads, each running `target(index)` once it passes the gate; `on_last()`,
+    if given, on the thread that finishes last (whether or not it was let in)."""
 
     def __init__(self, target: Callable[[int], None], count: int, name: str, *,
-                 daemon: bool = False) -> None:
+                 daemon: bool = False, on_last: Callable[[], None] | None = None) -> None:
         self._target = target
+        self._on_last = on_last
         self._cond = threading.Condition()
         self._open = True
         self._launched = 0  # start() calls that returned
@@ -58,7 +60,10 @@ class Pool:
                 if admitted:
                     self._working -= 1
                 self._finished += 1
+                last = self._finished == len(self.threads)
                 self._cond.notify_all()
+            if last and self._on_last is not None:
+                self._on_last()
 
     def start(self) -> Pool:
         for t in self.threads:
