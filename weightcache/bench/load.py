@@ -7,8 +7,13 @@ three layouts users have: `save_pretrained` shards with an index (`sharded`), on
 the page cache dropped and then warm, in the same run:
 - the bounds: `cat` of the files (one sequential reader) and 16 threads of 64 MiB O_DIRECT
   reads; the device's sequential read bandwidth is the better of the two;
-- the baselines: safetensors `load_file(device="cuda")`, transformers `from_pretrained`;
-- the cold loader in this process, and the real `weightcache preload` (to READY);
+- the baselines: safetensors `load_file(device="cuda")`, transformers `from_pretrained`, in
+  this process (torch imported already), and, against READY with every cache dropped, each
+  in a fresh process from its spawn to the weights on the device (`*_process_cold`: its
+  interpreter, imports and CUDA start included, as READY includes the rank's);
+- the cold loader in this process, and the real `weightcache preload` (to READY), with the
+  checkpoint's disk sampled meanwhile (`disk_timeline`; the summary's `*_disk_short_s` is the
+  disk time READY lacked against the device read's rate);
 then, on `sharded`: attach through the public client (zero copy, and copy end to end), a
 cProfile of the attach, attach time against tensor count and shard size (sparse files, up to
 64 GB), and engine restarts (`weightcache.bench.restart`) from the cache and from disk.
