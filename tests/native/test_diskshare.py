@@ -356,3 +356,46 @@ def test_a_held_share_stays_gentle_without_faults_until_settled_or_let_go(tmp_pa
         assert not share.gentle  # the hold stays ended
     finally:
         share.stop()
+
+
+def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, monkeypatch):
+    """A rank counts its launcher's faults as its own (`count_as_own`: the same start), so
+    they never make its running fill gentle, while another program's still do; a launcher
+    whose stat file goes away (it exited) keeps its last count instead of reading as a drop
+    that would show up as others' faults."""
+    vmstat, stat = _counters(tmp_path, 1000, 500)
+    kin = tmp_path / "kin"
+    kin_tmp = tmp_path / "kin.tmp"
+
+    def launcher(count: int) -> None:
+        kin_tmp.write_text(f"99 (python3) S 1 2 3 4 5 6 7 8 {count} 0 0 0 0\n")
+        os.replace(kin_tmp, kin)
+
+    launcher(300)
+    monkeypatch.setattr(diskshare, "_KIN", [])
+    diskshare.count_as_own(4242)
+    diskshare.count_as_own(4242)
+    assert diskshare._KIN == ["/proc/4242/stat"]  # once, whoever asks twice
+    share = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
+                      own=False, own_source=stat, kin=(str(kin),)).start()
+    assert DiskShare(source=vmstat, own_source=stat).kin == ("/proc/4242/stat",)
+    time.sleep(0.05)  # the sampler's first look: the counts it starts from
+    try:
+        system, theirs = 1000, 300
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # the launcher faults: 5 every 10 ms
+            system, theirs = system + 5, theirs + 5
+            launcher(theirs)
+            _counters(tmp_path, system, 500)
+            time.sleep(0.01)
+            assert not share.gentle, "the launcher's faults made the rank's fill gentle"
+        time.sleep(0.1)  # the sampler has seen the last count
+        kin.unlink()  # the launcher exited
+        time.sleep(0.1)
+        assert not share.gentle, "the launcher's exit read as others' faults"
+        system += 20  # another program faults
+        _counters(tmp_path, system, 500)
+        assert _wait(lambda: share.gentle, 2), "others' faults went unseen"
+    finally:
+        stats = share.stop()
+    assert stats["own_faults"] == theirs - 300 and stats["faults"] == system - 1000

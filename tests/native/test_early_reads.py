@@ -23,6 +23,7 @@ from weightcache.native.shared.coldload import drop_page_cache, load_entries, pl
 from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
     BUDGET_ENV,
+    MAX_BUDGET,
     EarlyReads,
     cover_spans,
     default_budget,
@@ -129,7 +130,7 @@ def test_the_budget_comes_from_the_environment_or_the_memory(monkeypatch):
             default_budget()
     monkeypatch.setenv(BUDGET_ENV, "auto")
     one, eight = default_budget(1), default_budget(8)
-    assert 0 < eight <= one <= 8 << 30 and eight <= one // 4 + 1
+    assert 0 < eight <= one <= MAX_BUDGET == 16 << 30 and eight <= one // 4 + 1
 
 
 def test_a_cpu_rank_reads_while_it_starts_and_serves_the_digest(tmp_path, sock_dir, preload):

@@ -126,6 +126,8 @@ def run(config: RankConfig,
     started it before importing this module (`__main__`); else it starts here.
     """
     clock = PhaseClock()
+    if config.parent_pid is not None:  # the launcher: its faults are this start's own
+        diskshare.count_as_own(config.parent_pid)
     _Serving.abandon = False  # a stop signal from here waits until `held` owns the lock
     try:
         ckpt, rules = read_input(config)

@@ -33,7 +33,10 @@ in-process loader, alone on the machine, went gentle for 1.5-2.9 s of a 10 s col
 (`/proc/self/stat`, majflt) once that process is no longer starting: from the first moment
 for a load inside a running program (`for_load`), from `ignore_own()` for a rank, whose
 `import torch` beside its early reads is the very program the share yields to, until its device
-is open. The share's stats say which faults it saw (`faults`, `own_faults`).
+is open. The share's stats say which faults it saw (`faults`, `own_faults`). A rank's
+launcher is part of the same start (it wakes when the rank reports its fill and, with every
+cache dropped, faults its own few pages in then: 4 faults made a rank's fill gentle for 1.4 s
+on the H200), so a rank counts its launcher's faults as its own (`count_as_own`).
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
@@ -73,6 +76,15 @@ START_GENTLE = 0.5
 GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
 VMSTAT = "/proc/vmstat"
+_KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
+
+
+def count_as_own(pid: int) -> None:
+    """From now on, every share of this process counts `pid`'s major faults as its own (a
+    rank's launcher: the same start, never another program to yield to)."""
+    path = f"/proc/{pid}/stat"
+    if path not in _KIN:
+        _KIN.append(path)
 SELF_STAT = "/proc/self/stat"
 TIMELINE = 32
 
@@ -157,12 +169,14 @@ class DiskShare:
                  faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
                  read: int = GENTLE_READ, source: str = VMSTAT,
                  start_gentle: float = 0.0, own: bool = True,
-                 own_source: str = SELF_STAT) -> None:
+                 own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
         self.own_source = own_source
+        self.kin = tuple(_KIN) if kin is None else kin  # counted as own (count_as_own)
+        self._kin_last = dict.fromkeys(self.kin, 0)  # a process gone keeps its last count
         self._count_own = own  # False: this process's own faults are subtracted (module doc)
         self.available = read_faults(source) is not None
         self._cond = threading.Condition()
@@ -249,7 +263,7 @@ class DiskShare:
             count = read_faults(self.source)
             if count is None:
                 break
-            own = read_own_faults(self.own_source) or 0
+            own = self._own()
             if first is None:
                 first = (count, own)
             if samples and count != samples[-1][1] and len(self.timeline) < TIMELINE:
@@ -268,6 +282,17 @@ class DiskShare:
                 self.seen_faults = max(self.seen_faults, recent)
             self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
+
+    def _own(self) -> int:
+        """This process's major faults, and its kin's (each kept at its last count once its
+        process is gone, so that an exit never reads as others' faults)."""
+        total = read_own_faults(self.own_source) or 0
+        for path in self.kin:
+            count = read_own_faults(path)
+            if count is not None:
+                self._kin_last[path] = count
+            total += self._kin_last[path]
+        return total
 
     def _set(self, gentle: bool, now: float) -> None:
         with self._cond:
