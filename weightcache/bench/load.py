@@ -25,7 +25,8 @@ with `--smoke`, which CI runs): device read, `load_file`, `from_pretrained`, the
 loader, `weightcache preload` cold and warm with READY's phases, on the three layouts. Attach,
 copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the checkpoint's files
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
-Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID}; PARTS is a comma
+Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID} (with OUT, every
+step's whole result is also appended to `OUT.steps.jsonl` as it ends); PARTS is a comma
 list of attach, restart, scaling (CUDA), importwait (READY cold again with torch imported
 once the import set is read), readgrid (the device read, the loader and READY with the model
 cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with the model cold
@@ -88,6 +89,9 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
+_STEPS: dict[str, str | None] = {"layout": None}  # the layout being measured, for the steps file
+
+
 def _safe(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
     """One failing measurement must not lose the others."""
     try:
@@ -95,6 +99,11 @@ def _safe(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
     except Exception as exc:
         out = {"error": f"{type(exc).__name__}: {exc}"}
     log(f"  {name}: {json.dumps(out)[:400]}")
+    if report := os.environ.get("WEIGHTCACHE_BENCH_LOAD_OUT"):
+        # Every step whole, as it ends: a run cut short (a device call's limit) keeps them all,
+        # where the report itself is written once per layout.
+        with open(f"{report}.steps.jsonl", "a") as fh:
+            fh.write(json.dumps({"layout": _STEPS["layout"], "step": name, "result": out}) + "\n")
     return out
 
 
@@ -860,6 +869,7 @@ def run(workdir: Path, layouts: list[str], parts: set[str], grid: bool,
             del model
             if _cuda():
                 torch.cuda.empty_cache()
+        _STEPS["layout"] = kind
         report["layouts"][kind] = {"checkpoint": info,
                                    **measure_layout(kind, path, parts, grid and kind == "sharded")}
         log(f"[{kind}] summary {json.dumps(report['layouts'][kind]['summary'])}")
