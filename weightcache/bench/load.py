@@ -810,7 +810,9 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
             if (lost := _disk_short(_get(r, key, "disk_timeline"), r)) is not None:
                 s[f"{key}_disk_short_s"] = lost
-            for base in ("load_file_cold", "from_pretrained_cold", *PROCESS_BASES):
+            # The fresh processes start with every cache dropped: against those READYs only.
+            fresh = () if "_model" in key else tuple(PROCESS_BASES)
+            for base in ("load_file_cold", "from_pretrained_cold", *fresh):
                 if s.get(f"{base}_s"):
                     s[f"{key}_ready_vs_{base}"] = round(s[f"{base}_s"] / pp["seconds"], 3)
     lw = _get(r, "loader_warm")
