@@ -288,7 +288,7 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
         starting.stop()
     assert stats["own_faults"] == own - 500 and stats["faults"] == system - 1000
     assert stats["counts_own"] is False
-    times = stats["fault_times"]  # [seconds, others', own] per sample that saw any
+    times = stats["fault_times"]  # [seconds, others', own, kin's] per sample that saw any
     assert 0 < len(times) <= diskshare.TIMELINE
     assert all(t[0] >= 0 and t[1] + t[2] > 0 for t in times)
     assert sum(t[1] for t in times) >= 20 or len(times) == diskshare.TIMELINE
@@ -399,3 +399,7 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
     finally:
         stats = share.stop()
     assert stats["own_faults"] == theirs - 300 and stats["faults"] == system - 1000
+    # [seconds, others', own, the launcher's]: its faults are named where they came
+    kin_seen = sum(t[3] for t in stats["fault_times"])
+    assert 0 < kin_seen <= theirs - 300
+    assert all(t[3] <= t[2] for t in stats["fault_times"])

@@ -195,8 +195,9 @@ class DiskShare:
         self.seen_faults = 0
         self.faults_total = 0  # seen while it watched: system-wide, and this process's
         self.own_total = 0
-        # When they came: [seconds since start(), others', own] per sample that saw any, the
-        # first TIMELINE of them (where a start's faults fall against its phases).
+        # When they came: [seconds since start(), others', own (its kin's included), its kin's]
+        # per sample that saw any, the first TIMELINE of them (where a start's faults fall
+        # against its phases, and whether its launcher made them).
         self.timeline: list[list[float]] = []
 
     # -- the monitor ----------------------------------------------------------------------
@@ -263,13 +264,15 @@ class DiskShare:
             count = read_faults(self.source)
             if count is None:
                 break
+            kin_before = sum(self._kin_last.values())
             own = self._own()
+            kin_new = sum(self._kin_last.values()) - kin_before
             if first is None:
                 first = (count, own)
             if samples and count != samples[-1][1] and len(self.timeline) < TIMELINE:
                 mine = own - samples[-1][2]
                 self.timeline.append([round(now - began, 2), count - samples[-1][1] - mine,
-                                      mine])
+                                      mine, kin_new])
             self.faults_total, self.own_total = count - first[0], own - first[1]
             samples.append((now, count, own))
             while len(samples) > 1 and samples[0][0] < now - self.window:
