@@ -392,11 +392,11 @@ class DiskTimeline:
             b[0] += (s1 - s0) * 512
             b[1] += q1
             b[2] += 1
-        last = max(bins)
-        rows = [[round(k * self.BIN_S, 2), round(bins[k][0] / self.BIN_S / GB, 2),
-                 round(bins[k][1] / bins[k][2], 1)] if k in bins else [round(k * self.BIN_S, 2),
-                                                                       0.0, 0.0]
-                for k in range(last + 1)]
+        rows = []
+        for k in range(max(bins) + 1):
+            read, flight, n = bins.get(k, (0, 0, 1))  # a bin with no sample read nothing
+            rows.append([round(k * self.BIN_S, 2), round(read / self.BIN_S / GB, 2),
+                         round(flight / n, 1)])
         return {"bin_s": self.BIN_S, "columns": ["t_s", "gb_per_s", "in_flight"], "rows": rows}
 
 

@@ -34,9 +34,10 @@ in-process loader, alone on the machine, went gentle for 1.5-2.9 s of a 10 s col
 for a load inside a running program (`for_load`), from `ignore_own()` for a rank, whose
 `import torch` beside its early reads is the very program the share yields to, until its device
 is open. The share's stats say which faults it saw (`faults`, `own_faults`). A rank's
-launcher is part of the same start (it wakes when the rank reports its fill and, with every
-cache dropped, faults its own few pages in then: 4 faults made a rank's fill gentle for 1.4 s
-on the H200), so a rank counts its launcher's faults as its own (`count_as_own`).
+launcher is part of the same start, so a rank counts its launcher's faults as its own
+(`count_as_own`). (On the H200, with every cache dropped, 4 faults of another process just as
+the fill began made it gentle for 1.4 s; whose they were is not known yet, so `fault_times`
+names the launcher's.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
@@ -76,6 +77,8 @@ START_GENTLE = 0.5
 GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
 VMSTAT = "/proc/vmstat"
+SELF_STAT = "/proc/self/stat"
+TIMELINE = 32
 _KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
 
 
@@ -85,8 +88,6 @@ def count_as_own(pid: int) -> None:
     path = f"/proc/{pid}/stat"
     if path not in _KIN:
         _KIN.append(path)
-SELF_STAT = "/proc/self/stat"
-TIMELINE = 32
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
 _IOPRIO_CLASS_IDLE = 3
