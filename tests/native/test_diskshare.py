@@ -403,3 +403,49 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
     kin_seen = sum(t[3] for t in stats["fault_times"])
     assert 0 < kin_seen <= theirs - 300
     assert all(t[3] <= t[2] for t in stats["fault_times"])
+
+
+_FAULTER = """
+import mmap, os, sys
+path = sys.argv[1]
+print("ready", flush=True)
+sys.stdin.readline()
+fd = os.open(path, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+size = os.fstat(fd).st_size
+with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+    m.madvise(mmap.MADV_RANDOM)
+    total = sum(m[at] for at in range(0, size, size // 64))
+print("faulted", total >= 0, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_another_programs_faults_are_named_with_its_pid(cold_file):
+    """The real counters: a separate program that faults pages of a cold file in makes the
+    share gentle, and the sample that saw it names that program (`comm:pid:faults`), never
+    this process."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _FAULTER, str(cold_file)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    share = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        share = DiskShare(own=False, hold=5.0).start()
+        time.sleep(0.2)  # the monitor's first look at /proc
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "faulted True"
+        assert _wait(lambda: share.gentle, 3), "the other program's faults went unseen"
+        time.sleep(0.2)
+    finally:
+        stats = share.stop() if share is not None else {}
+        child.stdin.close()
+        child.wait(10)
+    named = [n for row in stats["fault_times"] if row[1] > 0 for n in row[4]]
+    mine = [n for n in named if n.split(":")[1] == str(child.pid)]
+    assert mine, f"the faulting program was not named: {stats['fault_times']}"
+    assert all(int(n.split(":")[2]) > 0 for n in named)
+    assert not any(n.split(":")[1] == str(os.getpid()) for n in named)

@@ -100,6 +100,33 @@ def test_a_prefetch_reads_only_the_ranges_the_page_cache_lacks(tmp_path):
     assert _resident(cold)
 
 
+@pytest.mark.parametrize("how", ["deep", "plain"])
+def test_a_deep_prefetch_also_looks_up_what_the_import_reads_and_both_read_the_same(
+        tmp_path, monkeypatch, how):
+    """A deep prefetch (the default) lists each directory of the set once and looks up each
+    bytecode file's source, which the import stats; the plain one looks up nothing. Both read
+    exactly the ranges the page cache lacks, and leave them resident."""
+    monkeypatch.setenv(importset.PREFETCH_ENV, how)
+    pkg = tmp_path / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "mod.py").write_text("x = 1\n")
+    pyc = _file(pkg / "__pycache__" / "mod.cpython-312.pyc", 8)
+    init = _file(pkg / "__pycache__" / "__init__.cpython-312.pyc", 4)  # no source: skipped
+    big = _file(tmp_path / "lib.so", 256)
+    files = [{"path": str(f), "identity": importset._identity(f.stat()), "ranges": ranges}
+             for f, ranges in ((big, [(0, 64 * PAGE), (128 * PAGE, 256 * PAGE)]),
+                               (init, [(0, 4 * PAGE)]), (pyc, [(0, 8 * PAGE)]))]
+    pf = importset.Prefetch(files).start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["deep"] is (how == "deep")
+    # tmp_path, pkg/__pycache__ and pkg listed once each, pkg/mod.py looked up.
+    assert stats["looked_up"] == (4 if how == "deep" else 0)
+    assert stats["bytes"] == (64 + 128 + 4 + 8) * PAGE and pf.whole()
+    assert _resident(big, 0, 64 * PAGE) and _resident(big, 128 * PAGE, 128 * PAGE)
+    assert _resident(pyc) and _resident(init)
+
+
 def test_a_changed_file_is_skipped_and_module_files_are_whole(tmp_path):
     """A file whose identity changed since the set was written is not read at all; imported
     modules are listed with their whole bytecode file."""

@@ -36,7 +36,9 @@ set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`, then the 
 with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
-against the warm default of one per core).
+against the warm default of one per core), plainprefetch (READY with every cache dropped
+again, the rank's import set read ahead the earlier way: 8 readers, one read at a time, no
+lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`).
 """
 
 from __future__ import annotations
@@ -599,6 +601,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_first_start"] = _safe("preload cold, a node's first start",
                                               preload_once, model_dir, files, True)
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
+    if "plainprefetch" in parts and _import_set() is not None:  # the import set read as before
+        for key, env in PLAIN_PREFETCH_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, True, env)
     # What a user does without the cache, as READY with every cache dropped does it: a fresh
     # interpreter that imports torch (and transformers) and loads, from a dropped page cache.
     for key, source in PROCESS_BASES.items():
@@ -727,6 +732,9 @@ NOYIELD_READY = {"preload_cold_model_noyield": {"WEIGHTCACHE_LOAD_YIELD": "off"}
 # every cache dropped (True) and only the model cold ("model").
 BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model"}
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
+# READY with every cache dropped, the import set read ahead the earlier way (importset.py).
+PLAIN_PREFETCH_READY = {"preload_cold_plain_prefetch": {"WEIGHTCACHE_IMPORT_SET_PREFETCH":
+                                                        "plain"}}
 
 
 def _get(d: dict, *keys: str) -> Any:
@@ -799,6 +807,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_disk"] = _disk(pc)
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
+                *PLAIN_PREFETCH_READY,
                 *NOYIELD_READY, *BESIDE_READY, "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

@@ -37,7 +37,11 @@ is open. The share's stats say which faults it saw (`faults`, `own_faults`). A r
 launcher is part of the same start, so a rank counts its launcher's faults as its own
 (`count_as_own`). (On the H200, with every cache dropped, 4 faults of another process just as
 the fill began made it gentle for 1.4 s; whose they were is not known yet, so `fault_times`
-names the launcher's.)
+names the launcher's, and, for a sample with others' faults, the processes this share can see
+in `/proc` whose fault count grew since the last look: `comm:pid:faults`, at most WHO of them.
+That look is a walk of `/proc` (a few ms), made once when the share starts and then only when
+others fault, at most TIMELINE times. A process that faulted and exited in between, or one in
+another PID namespace, is not named.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
@@ -54,6 +58,7 @@ read, the load never goes gentle.
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import threading
 import time
@@ -79,6 +84,7 @@ GENTLE_READ = 1 * MiB
 VMSTAT = "/proc/vmstat"
 SELF_STAT = "/proc/self/stat"
 TIMELINE = 32
+WHO = 4  # processes named per sample with others' faults
 _KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
 
 
@@ -88,6 +94,11 @@ def count_as_own(pid: int) -> None:
     path = f"/proc/{pid}/stat"
     if path not in _KIN:
         _KIN.append(path)
+
+def _pid(stat_path: str) -> int:
+    """The pid of a `/proc/<pid>/stat` path (count_as_own's); -1 for any other path."""
+    part = stat_path.split("/")[2] if stat_path.startswith("/proc/") else ""
+    return int(part) if part.isdigit() else -1
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
 _IOPRIO_CLASS_IDLE = 3
@@ -145,14 +156,37 @@ def read_faults(path: str = VMSTAT) -> int | None:
     return faults - (swapins or 0)
 
 
+def _stat_fields(text: bytes) -> tuple[str, list[bytes]]:
+    """(command name, the fields after it) of a proc_pid_stat(5) line, whose command name
+    may hold spaces and parentheses."""
+    close = text.rindex(b")")
+    return text[text.index(b"(") + 1 : close].decode(errors="replace"), text[close + 2 :].split()
+
+
+def faults_by_process() -> dict[int, tuple[str, int]]:
+    """pid -> (command name, major faults so far) of every process this one can see."""
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return out
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                comm, fields = _stat_fields(fh.read())
+            out[int(name)] = (comm, int(fields[9]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def read_own_faults(path: str = SELF_STAT) -> int | None:
     """This process's major page faults so far (all its threads); None where unreadable."""
     try:
         with open(path, "rb") as fh:
             text = fh.read()
-        # Fields after the command name, which may hold spaces and parentheses: majflt is
-        # field 12 of proc_pid_stat(5), the 10th after the closing parenthesis.
-        return int(text[text.rindex(b")") + 2:].split()[9])
+        # majflt is field 12 of proc_pid_stat(5), the 10th after the command name.
+        return int(_stat_fields(text)[1][9])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -191,6 +225,7 @@ class DiskShare:
         self._began = time.monotonic()  # start() sets it anew: its clock counts from there
         self._thread: threading.Thread | None = None
         self._local = threading.local()
+        self._named: list[str] = []  # the last `_who`'s answer
         self.gentle_seconds = 0.0
         self.switches = 0
         self.seen_faults = 0
@@ -254,6 +289,7 @@ class DiskShare:
             else -1e9
         first: tuple[int, int] | None = None
         began = time.monotonic()
+        procs: dict[int, tuple[str, int]] = {}  # the last look at who had faulted how often
         settled = 0
         while not self._stop.is_set():
             with self._cond:
@@ -270,10 +306,15 @@ class DiskShare:
             kin_new = sum(self._kin_last.values()) - kin_before
             if first is None:
                 first = (count, own)
+                procs = faults_by_process()  # after the counts it starts from
             if samples and count != samples[-1][1] and len(self.timeline) < TIMELINE:
                 mine = own - samples[-1][2]
-                self.timeline.append([round(now - began, 2), count - samples[-1][1] - mine,
-                                      mine, kin_new])
+                row: list[Any] = [round(now - began, 2), count - samples[-1][1] - mine, mine,
+                                  kin_new]
+                if row[1] > 0:  # another program's: name it if we can see it
+                    procs = self._who(procs)
+                    row.append(self._named)
+                self.timeline.append(row)
             self.faults_total, self.own_total = count - first[0], own - first[1]
             samples.append((now, count, own))
             while len(samples) > 1 and samples[0][0] < now - self.window:
@@ -286,6 +327,17 @@ class DiskShare:
                 self.seen_faults = max(self.seen_faults, recent)
             self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
+
+    def _who(self, before: dict[int, tuple[str, int]]) -> dict[int, tuple[str, int]]:
+        """Look at /proc again: `_named` = the processes, not this one nor its kin, whose
+        major faults grew since `before` (most first, at most WHO); returns the new look."""
+        now = faults_by_process()
+        mine = {os.getpid(), *(_pid(path) for path in self.kin)}
+        grew = sorted(((n - before.get(pid, (comm, 0))[1], comm, pid)
+                       for pid, (comm, n) in now.items() if pid not in mine),
+                      reverse=True)
+        self._named = [f"{comm}:{pid}:{d}" for d, comm, pid in grew[:WHO] if d > 0]
+        return now
 
     def _own(self) -> int:
         """This process's major faults, and its kin's (each kept at its last count once its
