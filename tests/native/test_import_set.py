@@ -312,3 +312,28 @@ def test_the_rank_process_reads_its_set_ahead_before_it_imports_numpy_or_torch(t
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert out == ["[]", "None", "False"]
+
+
+def test_a_rank_or_an_engine_starts_no_program_of_its_own_while_it_imports(tmp_path):
+    """Importing the rank's and the engine's modules (torch with them) runs no other program:
+    a child such as `ldconfig -p` (which `ctypes.util.find_library` runs) faults its binary
+    in from a cold disk, beside the rank's early reads, and costs every engine a fork."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "seen = []\n"
+            "sys.addaudithook(lambda ev, args: seen.append(str(args[1])) if ev in\n"
+            "                 ('subprocess.Popen', 'os.posix_spawn', 'os.exec', 'os.system')\n"
+            "                 else None)\n"
+            "from weightcache.native.shared.importset import start_prefetch\n"
+            "start_prefetch()\n"
+            "import weightcache.native.daemon.rank\n"
+            "import weightcache.native.engine.attach\n"
+            "from weightcache.native.shared import libc\n"
+            "assert libc.function('mincore', []) is not None\n"
+            "print('spawned', seen)\n")
+    env = {**os.environ, importset.ENV: str(tmp_path / "set.json")}
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.strip().splitlines()
+    assert out[-1] == "spawned []"

@@ -40,8 +40,15 @@ the fill began made it gentle for 1.4 s; whose they were is not known yet, so `f
 names the launcher's, and, for a sample with others' faults, the processes this share can see
 in `/proc` whose fault count grew since the last look: `comm:pid:faults`, at most WHO of them.
 That look is a walk of `/proc` (a few ms), made once when the share starts and then only when
-others fault, at most TIMELINE times. A process that faulted and exited in between, or one in
+others fault, at most LOOKS times. A process that faulted and exited in between, or one in
 another PID namespace, is not named.)
+
+A process's own children are part of it too. Run22 on the H200 named the 4 faults at the
+fill's start: `ld-linux-x86-64`, a short-lived child. So the faults of this process's
+descendants count as its own: those it has reaped (`cmajflt` of its stat, and of its kin's),
+and live ones, found by the look at `/proc` that others' faults trigger (their parent chain
+leads here) and read at every sample from then on. Its kin's other children are not: a rank's
+launcher starts the node's other ranks, whose imports the share must still yield to.
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
@@ -85,6 +92,7 @@ VMSTAT = "/proc/vmstat"
 SELF_STAT = "/proc/self/stat"
 TIMELINE = 32
 WHO = 4  # processes named per sample with others' faults
+LOOKS = 64  # walks of /proc per share (only when others fault)
 _KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
 
 
@@ -94,6 +102,19 @@ def count_as_own(pid: int) -> None:
     path = f"/proc/{pid}/stat"
     if path not in _KIN:
         _KIN.append(path)
+
+def _descends(pid: int, ancestor: int, procs: dict[int, tuple[str, int, int]]) -> bool:
+    """Whether `pid`'s parent chain in `procs` (pid -> (comm, faults, parent)) reaches
+    `ancestor` (at most 32 links: a chain never loops, but a look at /proc is not atomic)."""
+    for _ in range(32):
+        found = procs.get(pid)
+        if found is None or found[2] <= 1:
+            return False
+        pid = found[2]
+        if pid == ancestor:
+            return True
+    return False
+
 
 def _pid(stat_path: str) -> int:
     """The pid of a `/proc/<pid>/stat` path (count_as_own's); -1 for any other path."""
@@ -163,9 +184,10 @@ def _stat_fields(text: bytes) -> tuple[str, list[bytes]]:
     return text[text.index(b"(") + 1 : close].decode(errors="replace"), text[close + 2 :].split()
 
 
-def faults_by_process() -> dict[int, tuple[str, int]]:
-    """pid -> (command name, major faults so far) of every process this one can see."""
-    out: dict[int, tuple[str, int]] = {}
+def faults_by_process() -> dict[int, tuple[str, int, int]]:
+    """pid -> (command name, major faults so far, parent pid) of every process this one can
+    see."""
+    out: dict[int, tuple[str, int, int]] = {}
     try:
         entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
@@ -174,19 +196,22 @@ def faults_by_process() -> dict[int, tuple[str, int]]:
         try:
             with open(f"/proc/{name}/stat", "rb") as fh:
                 comm, fields = _stat_fields(fh.read())
-            out[int(name)] = (comm, int(fields[9]))
+            out[int(name)] = (comm, int(fields[9]), int(fields[1]))
         except (OSError, ValueError, IndexError):
             continue
     return out
 
 
-def read_own_faults(path: str = SELF_STAT) -> int | None:
-    """This process's major page faults so far (all its threads); None where unreadable."""
+def read_own_faults(path: str = SELF_STAT, children: bool = False) -> int | None:
+    """This process's major page faults so far (all its threads; with `children`, also those
+    of the children it has reaped); None where unreadable."""
     try:
         with open(path, "rb") as fh:
             text = fh.read()
-        # majflt is field 12 of proc_pid_stat(5), the 10th after the command name.
-        return int(_stat_fields(text)[1][9])
+        # majflt and cmajflt are fields 12 and 13 of proc_pid_stat(5), the 10th and 11th
+        # after the command name.
+        fields = _stat_fields(text)[1]
+        return int(fields[9]) + (int(fields[10]) if children else 0)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -226,6 +251,8 @@ class DiskShare:
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self._named: list[str] = []  # the last `_who`'s answer
+        self._family: dict[int, int] = {}  # live descendants found by `_who`: last faults
+        self._looks = 0
         self.gentle_seconds = 0.0
         self.switches = 0
         self.seen_faults = 0
@@ -289,7 +316,7 @@ class DiskShare:
             else -1e9
         first: tuple[int, int] | None = None
         began = time.monotonic()
-        procs: dict[int, tuple[str, int]] = {}  # the last look at who had faulted how often
+        procs: dict[int, tuple[str, int, int]] = {}  # the last look: who had faulted how often
         settled = 0
         while not self._stop.is_set():
             with self._cond:
@@ -307,13 +334,17 @@ class DiskShare:
             if first is None:
                 first = (count, own)
                 procs = faults_by_process()  # after the counts it starts from
+            named = None
+            if (samples and count - samples[-1][1] > own - samples[-1][2]
+                    and self._looks < LOOKS):  # another program's? name it, or find it ours
+                procs, named = self._who(procs), self._named
+                own = self._own()  # with the descendants it found, and the children reaped
             if samples and count != samples[-1][1] and len(self.timeline) < TIMELINE:
                 mine = own - samples[-1][2]
                 row: list[Any] = [round(now - began, 2), count - samples[-1][1] - mine, mine,
                                   kin_new]
-                if row[1] > 0:  # another program's: name it if we can see it
-                    procs = self._who(procs)
-                    row.append(self._named)
+                if named is not None and row[1] > 0:
+                    row.append(named)
                 self.timeline.append(row)
             self.faults_total, self.own_total = count - first[0], own - first[1]
             samples.append((now, count, own))
@@ -328,26 +359,41 @@ class DiskShare:
             self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
 
-    def _who(self, before: dict[int, tuple[str, int]]) -> dict[int, tuple[str, int]]:
-        """Look at /proc again: `_named` = the processes, not this one nor its kin, whose
+    def _who(self, before: dict[int, tuple[str, int, int]]) -> dict[int, tuple[str, int, int]]:
+        """Look at /proc again: this process's live descendants join `_family` (their faults
+        are its own from now on); `_named` = the other processes, not its kin either, whose
         major faults grew since `before` (most first, at most WHO); returns the new look."""
+        self._looks += 1
         now = faults_by_process()
-        mine = {os.getpid(), *(_pid(path) for path in self.kin)}
-        grew = sorted(((n - before.get(pid, (comm, 0))[1], comm, pid)
-                       for pid, (comm, n) in now.items() if pid not in mine),
+        me = os.getpid()
+        for pid in now:
+            if pid not in self._family and _descends(pid, me, now):
+                self._family[pid] = now[pid][1]
+        mine = {me, *(_pid(path) for path in self.kin), *self._family}
+        grew = sorted(((n - (before[pid][1] if pid in before else 0), comm, pid)
+                       for pid, (comm, n, _) in now.items() if pid not in mine),
                       reverse=True)
         self._named = [f"{comm}:{pid}:{d}" for d, comm, pid in grew[:WHO] if d > 0]
         return now
 
     def _own(self) -> int:
-        """This process's major faults, and its kin's (each kept at its last count once its
-        process is gone, so that an exit never reads as others' faults)."""
-        total = read_own_faults(self.own_source) or 0
+        """This process's major faults and its reaped children's, its kin's (each kept at
+        its last count once its process is gone, so that an exit never reads as others'
+        faults), and its live descendants' (a descendant that is gone has been reaped: its
+        faults are in its parent's count of reaped children now)."""
+        total = read_own_faults(self.own_source, children=True) or 0
         for path in self.kin:
-            count = read_own_faults(path)
+            count = read_own_faults(path, children=True)
             if count is not None:
                 self._kin_last[path] = count
             total += self._kin_last[path]
+        for pid in list(self._family):
+            count = read_own_faults(f"/proc/{pid}/stat")
+            if count is None:
+                del self._family[pid]
+            else:
+                self._family[pid] = count
+                total += count
         return total
 
     def _set(self, gentle: bool, now: float) -> None:

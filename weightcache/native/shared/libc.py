@@ -1,15 +1,21 @@
 """The C library through ctypes, loaded once (torch-free). A ctypes call releases the GIL, so
-the syscalls our threads make (`madvise`, `mincore`, `cachestat`) run side by side."""
+the syscalls our threads make (`madvise`, `mincore`, `cachestat`) run side by side.
+
+The library is the one the interpreter itself is linked with, found in the process's own
+symbols (`dlopen(NULL)`). Not `ctypes.util.find_library("c")`: that runs `/sbin/ldconfig -p`
+in a child process at import, in every rank and every engine that imports this module; with
+every cache dropped that child faults its binary in from the disk, and its faults, not the
+rank's own, made a loading rank yield the disk to itself (diskshare.py).
+"""
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Any
 
 try:
-    LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-except OSError:  # pragma: no cover - no libc (not Linux)
+    LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - no dynamic loader (not Linux)
     LIBC = None
 
 
