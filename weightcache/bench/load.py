@@ -751,8 +751,15 @@ def _rank0(ready: dict[str, Any]) -> dict[str, Any]:
 
 
 def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
-    """READY's phases of the (first) rank: start-up, CUDA, plan, allocate, fill+digest..."""
-    return _rank0(ready).get("phases")
+    """READY's phases of the (first) rank: start-up, CUDA, plan, allocate, fill+digest...,
+    and `outside_rank_seconds`: READY's seconds that none of them covers (the launcher's own
+    start and checks before it spawns the rank, the rank's interpreter and module imports
+    before its clock starts, and READY's relay)."""
+    phases = _rank0(ready).get("phases")
+    if not isinstance(phases, dict) or not isinstance(ready.get("seconds"), (int, float)):
+        return phases
+    covered = sum(v for v in phases.values() if isinstance(v, (int, float)))
+    return {**phases, "outside_rank_seconds": round(ready["seconds"] - covered, 4)}
 
 
 def _early(ready: dict[str, Any]) -> dict[str, Any] | None:

@@ -19,9 +19,11 @@ the early reads begin once that is done. How it reads them decides how long the 
 little else: on the H200 VM, 8 threads of one 4 MiB `pread` at a time read a 465 MB set of
 1,119 files in 1.43-1.68 s (0.3 GB/s, against 2 GB/s for the checkpoint), most files being
 small and each one a few waits on the disk in turn. So the default (`deep`) runs THREADS
-readers, asks the kernel's readahead for a file's every missing range at once
-(`POSIX_FADV_WILLNEED`: the whole file in flight, not one read) before it waits on them with
-`pread`, and also looks up what the import reads besides the set's bytes, which
+readers, asks the kernel's readahead for a file's every missing range at once before it waits
+on them with `pread` (`POSIX_FADV_WILLNEED`, one call per AHEAD_BYTES: the kernel reads at most
+its readahead window, `max(read_ahead_kb, max_sectors_kb)`, per call, so one call for a whole
+range put only its first megabytes in flight), and also looks up what the import reads besides
+the set's bytes, which
 `drop_caches` empties too and no fault counter sees: each bytecode file's source (the import
 stats it to validate the bytecode) and every directory it searches (listed once).
 `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain` reads the earlier way, to compare. A range the page
@@ -81,6 +83,8 @@ MAX_BYTES = 4 << 30  # what one prefetch may read
 MAX_SECONDS = 5.0  # and for how long (the early reads wait at most 3 s for it)
 GAP = 256 << 10  # resident ranges closer than this are read as one
 READ_BYTES = 4 << 20  # one read
+DEEP_READ_BYTES = 1 << 20  # one read of a deep prefetch: a copy of pages already in flight
+AHEAD_BYTES = 512 << 10  # one readahead request of a deep prefetch (module doc)
 THREADS = 32  # readers of a deep prefetch (module doc)
 PLAIN_THREADS = 8
 
@@ -297,6 +301,13 @@ def load(path: Path) -> list[dict[str, Any]]:
     return good
 
 
+def _ahead(fd: int, start: int, end: int) -> None:
+    """Ask the kernel to read [start, end) of `fd` into the page cache, without waiting."""
+    with contextlib.suppress(OSError):
+        for pos in range(start, end, AHEAD_BYTES):
+            os.posix_fadvise(fd, pos, min(AHEAD_BYTES, end - pos), os.POSIX_FADV_WILLNEED)
+
+
 class Prefetch:
     """Read an import set into the page cache (THREADS readers, or PLAIN_THREADS when not
     `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
@@ -331,7 +342,7 @@ class Prefetch:
             work.put(None)
 
         def worker(_: int) -> None:
-            buf = bytearray(READ_BYTES)
+            buf = bytearray(DEEP_READ_BYTES if self.deep else READ_BYTES)
             while (f := work.get()) is not None:
                 if self._stop.is_set() or self._over():
                     continue
@@ -391,13 +402,12 @@ class Prefetch:
                     continue
                 missing.append((pos, end))
                 if self.deep:  # all of it in flight now; the reads below wait for it
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, pos, end - pos, os.POSIX_FADV_WILLNEED)
+                    _ahead(fd, pos, end)
             if self.deep:
                 self._look_up(f["path"])
             for pos, end in missing:
                 while pos < end and not self._stop.is_set():
-                    n = os.preadv(fd, [buf[: min(READ_BYTES, end - pos)]], pos)
+                    n = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
                     if n <= 0:
                         break
                     pos += n
