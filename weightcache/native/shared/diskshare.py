@@ -43,12 +43,14 @@ That look is a walk of `/proc` (a few ms), made once when the share starts and t
 others fault, at most LOOKS times. A process that faulted and exited in between, or one in
 another PID namespace, is not named.)
 
-A process's own children are part of it too. Run22 on the H200 named the 4 faults at the
-fill's start: `ld-linux-x86-64`, a short-lived child. So the faults of this process's
-descendants count as its own: those it has reaped (`cmajflt` of its stat, and of its kin's),
-and live ones, found by the look at `/proc` that others' faults trigger (their parent chain
-leads here) and read at every sample from then on. Its kin's other children are not: a rank's
-launcher starts the node's other ranks, whose imports the share must still yield to.
+A process's own children are part of it too (a rank used to start `/sbin/ldconfig -p` at
+import, libc.py). So the faults of this process's descendants count as its own: those it has
+reaped (`cmajflt` of its stat, and of its kin's), and live ones, found by the look at `/proc`
+that others' faults trigger (their parent chain leads here) and read at every sample from
+then on. Its kin's other children are not: a rank's launcher starts the node's other ranks,
+whose imports the share must still yield to. (On the H200 the 3-4 faults that made cold fills
+gentle were named `ld-linux-x86-64`, a short-lived program that was no descendant of the
+rank: the machine's, yielded to as any other.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they and the start's gentle
