@@ -94,7 +94,8 @@ VMSTAT = "/proc/vmstat"
 SELF_STAT = "/proc/self/stat"
 TIMELINE = 32
 WHO = 4  # processes named per sample with others' faults
-LOOKS = 64  # walks of /proc per share (only when others fault)
+LOOKS = 32  # walks of /proc per share, only when others fault (a few ms each; tens on a
+# node whose /proc shows thousands of processes)
 _KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
 
 
