@@ -405,7 +405,6 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
     assert all(t[3] <= t[2] for t in stats["fault_times"])
 
 
-
 # Faults pages of a cold file in when told to, and says how many (its own ru_majflt).
 _FAULTER = """
 import mmap, os, resource, sys

@@ -106,6 +106,7 @@ def count_as_own(pid: int) -> None:
     if path not in _KIN:
         _KIN.append(path)
 
+
 def _descends(pid: int, ancestor: int, procs: dict[int, tuple[str, int, int]]) -> bool:
     """Whether `pid`'s parent chain in `procs` (pid -> (comm, faults, parent)) reaches
     `ancestor` (at most 32 links: a chain never loops, but a look at /proc is not atomic)."""
@@ -123,6 +124,7 @@ def _pid(stat_path: str) -> int:
     """The pid of a `/proc/<pid>/stat` path (count_as_own's); -1 for any other path."""
     part = stat_path.split("/")[2] if stat_path.startswith("/proc/") else ""
     return int(part) if part.isdigit() else -1
+
 
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
 _IOPRIO_CLASS_IDLE = 3
@@ -254,7 +256,7 @@ class DiskShare:
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self._named: list[str] = []  # the last `_who`'s answer
-        self._family: dict[int, int] = {}  # live descendants found by `_who`: last faults
+        self._family: set[int] = set()  # live descendants found by `_who`
         self._looks = 0
         self.gentle_seconds = 0.0
         self.switches = 0
@@ -371,7 +373,7 @@ class DiskShare:
         me = os.getpid()
         for pid in now:
             if pid not in self._family and _descends(pid, me, now):
-                self._family[pid] = now[pid][1]
+                self._family.add(pid)
         mine = {me, *(_pid(path) for path in self.kin), *self._family}
         grew = sorted(((n - (before[pid][1] if pid in before else 0), comm, pid)
                        for pid, (comm, n, _) in now.items() if pid not in mine),
@@ -393,9 +395,8 @@ class DiskShare:
         for pid in list(self._family):
             count = read_own_faults(f"/proc/{pid}/stat")
             if count is None:
-                del self._family[pid]
+                self._family.discard(pid)
             else:
-                self._family[pid] = count
                 total += count
         return total
 

@@ -23,9 +23,9 @@ readers, asks the kernel's readahead for a file's every missing range at once be
 on them with `pread` (`POSIX_FADV_WILLNEED`, one call per AHEAD_BYTES: the kernel reads at most
 its readahead window, `max(read_ahead_kb, max_sectors_kb)`, per call, so one call for a whole
 range put only its first megabytes in flight), and also looks up what the import reads besides
-the set's bytes, which
-`drop_caches` empties too and no fault counter sees: each bytecode file's source (the import
-stats it to validate the bytecode) and every directory it searches (listed once).
+the set's bytes, which `drop_caches` empties too and no fault counter sees: each bytecode
+file's source (the import stats it to validate the bytecode) and every directory it searches
+(listed once).
 `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain` reads the earlier way, to compare. A range the page
 cache holds whole already is not read (`residency.resident`, one `cachestat(2)` or `mincore(2)`
 call): where only the model is cold (a restart) the whole set is in memory, and reading it
