@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache.bench import gpu as g
+from weightcache.bench.waits import StartWaits
 
 GB = 1e9
 MiB = 1 << 20
@@ -310,18 +311,30 @@ class Launcher:
     """The real `weightcache preload` (launcher + one daemon rank), timed to its READY line."""
 
     def __init__(self, model: Path, sockdir: Path, env: dict[str, str] | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, waits: bool = False) -> None:
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
                "--device", device or DEVICE, "--weight-cache-socket-dir", str(sockdir)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
+        sampler = StartWaits(self.proc.pid, self.t0) if waits else None
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
         self.ready = g.first_json_line(self.proc, "READY ")
         self.wall = time.perf_counter() - self.t0
+        self.waits = sampler.stop(self._start_ended()) if sampler is not None else None
         if not self.ready:
             raise RuntimeError(f"preload exited {self.proc.returncode}: {self.stderr[-5:]}")
+
+    def _start_ended(self) -> float | None:
+        """When, from the spawn, the rank's start phase ended: READY less the phases after
+        it (READY's relay, a few ms, counts as the rank's)."""
+        phases = _rank0(self.ready or {}).get("phases")
+        if not isinstance(phases, dict) or "startup_seconds" not in phases:
+            return None
+        after = sum(v for k, v in phases.items()
+                    if k != "startup_seconds" and isinstance(v, (int, float)))
+        return self.wall - after
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -413,13 +426,15 @@ def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | N
     sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
     timeline = DiskTimeline(files[0]) if cold else None
     try:
-        launcher = Launcher(model, sockdir, env)
+        launcher = Launcher(model, sockdir, env, waits=bool(cold))
     finally:
         disk = timeline.stop() if timeline is not None else None
     try:
         summary = launcher.summary()
         if disk is not None:
             summary["disk_timeline"] = disk
+        if launcher.waits is not None:
+            summary["waits"] = launcher.waits
         _wait_for_import_set()
         return summary
     finally:
@@ -772,6 +787,12 @@ def _disk(ready: dict[str, Any]) -> dict[str, Any] | None:
     return (_rank0(ready).get("loader") or {}).get("disk")
 
 
+def _start_waits(waits: dict[str, Any] | None, top: int = 8) -> dict[str, float] | None:
+    """The rank's start by what it waited on (waits.py): its `top` classes, in seconds."""
+    seconds = _get(waits or {}, "rank_start", "seconds")
+    return dict(list(seconds.items())[:top]) if isinstance(seconds, dict) else None
+
+
 def _disk_short(timeline: dict[str, Any] | None, r: dict[str, Any]) -> float | None:
     """Seconds of the device read's rate that READY's disk timeline lacks, summed over its
     bins (the disk idle, or reading slower than it can): where READY trails the device read."""
@@ -812,6 +833,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_early"] = _early(pc)
         s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
         s["preload_cold_disk"] = _disk(pc)
+        s["preload_cold_start_waits"] = _start_waits(_get(r, "preload_cold", "waits"))
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY,
@@ -824,6 +846,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s[f"{key}_early"] = _early(pp)
             s[f"{key}_disk"] = _disk(pp)
             s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
+            s[f"{key}_start_waits"] = _start_waits(_get(r, key, "waits"))
             if (lost := _disk_short(_get(r, key, "disk_timeline"), r)) is not None:
                 s[f"{key}_disk_short_s"] = lost
             # The fresh processes start with every cache dropped: against those READYs only.
