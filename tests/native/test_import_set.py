@@ -213,6 +213,13 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
     assert any(f["path"].endswith(".pyc") for f in files)
     assert not any(f["path"].endswith(".safetensors") for f in files)
+    # `import torch` reads every installed distribution's entry points (torch.backends): no
+    # mapping or module shows those files, and on the H200 a cold start waited 3-5 s on
+    # them behind the early reads. The start's opens put them in the set, and the
+    # directories looked in for a missing one.
+    if _distributions_with_entry_points():
+        assert any(f["path"].endswith("/entry_points.txt") for f in files)
+        assert any(f.get("list") and f["path"].endswith(".dist-info") for f in files)
     p.stop()
     written = set_file.stat().st_mtime_ns
     p = preload(*args, env={**env, importset.WAIT_ENV: "1"})
@@ -250,6 +257,57 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     time.sleep(1)  # a rank would write its set right after READY
     p.stop()
     assert not set_file.exists()
+
+
+def _distributions_with_entry_points() -> bool:
+    import importlib.metadata
+
+    return any(d.read_text("entry_points.txt") for d in importlib.metadata.distributions())
+
+
+def test_what_the_start_opens_and_looks_for_is_in_the_set_and_read_ahead(tmp_path):
+    """Files a start opens for reading (small ones, whole), and the directory of one it looked
+    for and missed, go into the set; files it wrote, large ones, the prefetch's own opens and
+    anything after the set is collected do not. A prefetch then reads the file back and lists
+    the directory."""
+    small = _file(tmp_path / "entry_points.txt", 2)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (importset.OPENED_MAX_BYTES + PAGE))
+    written = tmp_path / "out.txt"
+    looked = tmp_path / "dist.dist-info"
+    looked.mkdir()
+    importset.watch_opens()
+    small.read_bytes()
+    big.read_bytes()
+    written.write_text("x")
+    with pytest.raises(FileNotFoundError):
+        open(looked / "missing.txt")  # noqa: SIM115
+    found = importset.collect()
+    later = _file(tmp_path / "later.txt", 1)
+    later.read_bytes()  # after the collect: not watched any more
+    entries = {f["path"]: f for f in found["files"]}
+    assert entries[str(small)]["ranges"] == [[0, 2 * PAGE]]
+    assert entries[str(looked)] == {"path": str(looked), "list": True}
+    for absent in (big, written, later):
+        assert str(absent) not in entries
+    # Watching ended with that collect: the next one sees no opens at all.
+    assert str(small) not in {f["path"] for f in importset.collect()["files"]}
+    set_file = tmp_path / "set.json"
+    set_file.write_text(json.dumps(found))
+    set_file.chmod(0o600)
+    loaded = importset.load(set_file)
+    assert {"path": str(looked), "list": True} in loaded
+    mine = [f for f in loaded if f["path"] in (str(small), str(looked))]
+    drop_page_cache([small], everything=False)
+    assert not _resident(small)
+    prefetch = importset.Prefetch(mine, deep=True).start()
+    assert prefetch.done.wait(10) and prefetch.whole()
+    assert _resident(small)
+    stats = prefetch.stats()
+    assert stats["files"] == 2 and stats["unread"] == 0 and stats["looked_up"] >= 1
+    looked.rmdir()  # a directory gone since: unread, so the set is written anew
+    gone = importset.Prefetch([{"path": str(looked), "list": True}]).start()
+    assert gone.done.wait(10) and gone.stats()["unread"] == 1 and gone.needs_record()
 
 
 def test_a_set_is_written_anew_only_when_missing_or_stale(tmp_path):

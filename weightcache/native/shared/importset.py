@@ -76,7 +76,7 @@ SET_NAME = constants.IMPORT_SET_NAME
 WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
 EARLY_WAIT_ENV = constants.ENV_EARLY_READS_WAIT
 PREFETCH_ENV = constants.ENV_IMPORT_SET_PREFETCH
-VERSION = 2  # 2: identities are [size, mtime_ns]
+VERSION = 3  # 2: identities are [size, mtime_ns]; 3: what the start opened, and "list" entries
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
 MAX_BYTES = 4 << 30  # what one prefetch may read
@@ -86,9 +86,53 @@ READ_BYTES = 4 << 20  # one read
 DEEP_READ_BYTES = 1 << 20  # one read of a deep prefetch: a copy of pages already in flight
 AHEAD_BYTES = 512 << 10  # one readahead request of a deep prefetch (module doc)
 THREADS = 32  # readers of a deep prefetch (module doc)
+OPENED_MAX_BYTES = 1 << 20  # a file the start opened is read ahead whole up to this size
 PLAIN_THREADS = 8
 
+SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+
+
+class _Opened:
+    """What this process's start opens and lists by name (module doc: the files that neither
+    a mapping nor a module shows), seen by an audit hook until the set is recorded."""
+
+    paths: set[str] | None = None  # None: not watching
+    dirs: set[str] = set()
+    hooked = False
+    quiet = threading.local()  # set in the prefetch's own readers: their opens are the set's
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    paths = _Opened.paths
+    if paths is None or len(paths) >= MAX_FILES or getattr(_Opened.quiet, "on", False):
+        return
+    if event == "open":
+        path, mode, flags = args
+        if isinstance(path, str) and path.startswith("/") and (
+                (mode is None and (flags or 0) & os.O_ACCMODE == os.O_RDONLY)
+                or (isinstance(mode, str) and "r" in mode and "+" not in mode)):
+            paths.add(path)
+    elif (event in ("os.listdir", "os.scandir") and isinstance(args[0], str)
+          and args[0].startswith("/")):
+        _Opened.dirs.add(args[0])
+
+
+def watch_opens() -> None:
+    """Note what this process opens for reading and lists from now until `collect` (one audit
+    hook per process; a hook cannot be removed, so afterwards it returns at once)."""
+    if _Opened.paths is None:
+        _Opened.paths = set()
+        if not _Opened.hooked:
+            _Opened.hooked = True
+            sys.addaudithook(_audit)
+
+
+def _opened() -> tuple[set[str], set[str]]:
+    """What the start opened and listed, and stop watching."""
+    paths, dirs = _Opened.paths or set(), set(_Opened.dirs)
+    _Opened.paths, _Opened.dirs = None, set()
+    return paths, dirs
 
 
 def import_waits() -> bool:
@@ -165,7 +209,7 @@ def _mapped_ranges() -> dict[str, list[tuple[int, int]]]:
         if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith("(deleted)"):
             continue
         path = parts[5]
-        if path.startswith(("/dev/", "/proc/", "/sys/", "/memfd:")):
+        if path.startswith(SKIP_PREFIXES):
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         offset = int(parts[2], 16)
@@ -221,9 +265,25 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_size:
             entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
+    opened, listed = _opened()
+    for path in sorted(opened):
+        if path in entries or path.startswith(SKIP_PREFIXES) or os.path.realpath(path) in skip:
+            continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:  # looked for and missing: its directory is what was read
+            listed.add(os.path.dirname(path))
+            continue
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and 0 < st.st_size <= OPENED_MAX_BYTES:
+            entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
+    for path in sorted(listed):
+        if path not in entries and not path.startswith(SKIP_PREFIXES) and os.path.isdir(path):
+            entries[path] = {"list": True}
     files = [{"path": p, **e} for p, e in sorted(entries.items())][:MAX_FILES]
     return {"version": VERSION, "files": files,
-            "bytes": sum(end - start for f in files for start, end in f["ranges"])}
+            "bytes": sum(end - start for f in files for start, end in f.get("ranges", ()))}
 
 
 def record(path: Path, exclude: list[str | os.PathLike] = ()) -> dict[str, Any] | None:
@@ -259,7 +319,10 @@ def start_prefetch() -> tuple[Path | None, Prefetch | None]:
     raises: a start must not fail over a read-ahead."""
     try:
         found = set_path()
-        return found, (Prefetch(load(found)).start() if found is not None else None)
+        if found is None:
+            return None, None
+        watch_opens()  # for this start's record, if it writes one
+        return found, Prefetch(load(found)).start()
     except Exception:  # an unreadable home, a thread that cannot start: no read-ahead
         return None, None
 
@@ -289,6 +352,9 @@ def load(path: Path) -> list[dict[str, Any]]:
     good = []
     for f in files[:MAX_FILES]:
         if not isinstance(f, dict) or not isinstance(f.get("path"), str):
+            continue
+        if f.get("list") is True:  # a directory the start looked a name up in
+            good.append({"path": f["path"], "list": True})
             continue
         ident, ranges = f.get("identity"), f.get("ranges")
         if (not isinstance(ident, list) or len(ident) != 2
@@ -342,6 +408,7 @@ class Prefetch:
             work.put(None)
 
         def worker(_: int) -> None:
+            _Opened.quiet.on = True
             buf = bytearray(DEEP_READ_BYTES if self.deep else READ_BYTES)
             while (f := work.get()) is not None:
                 if self._stop.is_set() or self._over():
@@ -381,6 +448,9 @@ class Prefetch:
         return self._read >= MAX_BYTES or time.monotonic() - self._started > MAX_SECONDS
 
     def _one(self, f: dict[str, Any], buf: memoryview) -> None:
+        if f.get("list"):
+            self._list(f["path"])
+            return
         try:
             fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
@@ -417,6 +487,21 @@ class Prefetch:
             self._count(unread=1)
         finally:
             os.close(fd)
+
+    def _list(self, path: str) -> None:
+        """A directory of the set: its entries, as a lookup of a missing name reads them."""
+        with self._lock:
+            listed = path in self._dirs
+            self._dirs.add(path)
+        try:
+            if not listed:
+                os.listdir(path)
+        except OSError:
+            self._count(unread=1)
+            return
+        with self._lock:
+            self._looked_up += 0 if listed else 1
+        self._count(files=1)
 
     def _look_up(self, path: str) -> None:
         """What the import reads besides this file's bytes (module doc): its directory's
