@@ -267,7 +267,7 @@ def _distributions_with_entry_points() -> bool:
 
 def test_what_the_start_opens_and_looks_for_is_in_the_set_and_read_ahead(tmp_path):
     """Files a start opens for reading (small ones, whole), and the directory of one it looked
-    for and missed, go into the set; files it wrote, large ones, the prefetch's own opens and
+    for and missed, go into the set; files it wrote, large ones, the model's own directory and
     anything after the set is collected do not. A prefetch then reads the file back and lists
     the directory."""
     small = _file(tmp_path / "entry_points.txt", 2)
@@ -276,19 +276,26 @@ def test_what_the_start_opens_and_looks_for_is_in_the_set_and_read_ahead(tmp_pat
     written = tmp_path / "out.txt"
     looked = tmp_path / "dist.dist-info"
     looked.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    weights, config = model / "w.safetensors", model / "config.json"
+    weights.write_bytes(b"w" * PAGE)
+    config.write_text("{}")
     importset.watch_opens()
     small.read_bytes()
     big.read_bytes()
     written.write_text("x")
+    config.read_text()  # the model's own: beside an excluded file, so never in the set
+    os.listdir(model)
     with pytest.raises(FileNotFoundError):
         open(looked / "missing.txt")  # noqa: SIM115
-    found = importset.collect()
+    found = importset.collect(exclude=[weights])
     later = _file(tmp_path / "later.txt", 1)
     later.read_bytes()  # after the collect: not watched any more
     entries = {f["path"]: f for f in found["files"]}
     assert entries[str(small)]["ranges"] == [[0, 2 * PAGE]]
     assert entries[str(looked)] == {"path": str(looked), "list": True}
-    for absent in (big, written, later):
+    for absent in (big, written, later, config, weights, model):
         assert str(absent) not in entries
     # Watching ended with that collect: the next one sees no opens at all.
     assert str(small) not in {f["path"] for f in importset.collect()["files"]}

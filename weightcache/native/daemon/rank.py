@@ -155,7 +155,8 @@ def run(config: RankConfig,
         announce(config, held.shard, held.path, clock, held.prefetch)
         if set_file is not None and (held.prefetch is None or held.prefetch.needs_record()):
             # For the next start, off the critical path.
-            threading.Thread(target=importset.record, args=(set_file, list(ckpt.files)),
+            threading.Thread(target=importset.record,
+                             args=(set_file, [*ckpt.files, held.path]),
                              name="weightcache-import-set", daemon=True).start()
         _Serving.server, _Serving.listener = held.server, held.listener
         held.server.serve(held.listener)

@@ -243,8 +243,12 @@ def _module_files() -> set[str]:
 
 def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
     """This process' import set (see the module's docstring); `exclude`: files never listed
-    (the checkpoint's: the fill reads those itself)."""
+    (the checkpoint's: the fill reads those itself), nor anything the start opened or listed
+    in their directories (the model's config and index, the socket directory): those are
+    this model's, not the start's, and a set naming a file that is gone at the next start is
+    stale, so it would be written anew, from a page cache that may hold far more."""
     skip = {os.path.realpath(p) for p in exclude}
+    skip_dirs = {os.path.dirname(p) for p in skip}
     entries: dict[str, dict[str, Any]] = {}
     for path, ranges in _mapped_ranges().items():
         if not ranges or os.path.realpath(path) in skip:
@@ -267,7 +271,9 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
             entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
     opened, listed = _opened()
     for path in sorted(opened):
-        if path in entries or path.startswith(SKIP_PREFIXES) or os.path.realpath(path) in skip:
+        real = os.path.realpath(path)
+        if (path in entries or path.startswith(SKIP_PREFIXES) or real in skip
+                or os.path.dirname(real) in skip_dirs):
             continue
         try:
             st = os.stat(path)
@@ -279,7 +285,8 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
         if stat.S_ISREG(st.st_mode) and 0 < st.st_size <= OPENED_MAX_BYTES:
             entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
     for path in sorted(listed):
-        if path not in entries and not path.startswith(SKIP_PREFIXES) and os.path.isdir(path):
+        if (path not in entries and not path.startswith(SKIP_PREFIXES)
+                and os.path.realpath(path) not in skip_dirs and os.path.isdir(path)):
             entries[path] = {"list": True}
     files = [{"path": p, **e} for p, e in sorted(entries.items())][:MAX_FILES]
     return {"version": VERSION, "files": files,
