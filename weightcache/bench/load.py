@@ -13,7 +13,9 @@ the page cache dropped and then warm, in the same run:
   interpreter, imports and CUDA start included, as READY includes the rank's);
 - the cold loader in this process, and the real `weightcache preload` (to READY), with the
   checkpoint's disk sampled meanwhile (`disk_timeline`; the summary's `*_disk_short_s` is the
-  disk time READY lacked against the device read's rate);
+  disk time READY lacked against the device read's rate), and what the launcher's and the
+  rank's main threads waited on (`waits`, waits.py; the summary's `*_start_waits` is the
+  rank's start by class);
 then, on `sharded`: attach through the public client (zero copy, and copy end to end), a
 cProfile of the attach, attach time against tensor count and shard size (sparse files, up to
 64 GB), and engine restarts (`weightcache.bench.restart`) from the cache and from disk.

@@ -11,10 +11,17 @@ but bytecode is read with `read()`, which no fault counter sees.
 
 So after a start, the rank writes down its *import set* (`record`): the pages of every
 file-backed mapping the page cache holds (`/proc/self/maps`, `mincore(2)` on the mapped
-ranges) and every module's bytecode file, each with the file's size and mtime_ns (not its
+ranges), every module's bytecode file, and what the start opened for reading (files up to
+OPENED_MAX_BYTES, whole) and the directories it listed or looked a missing file up in (`list`
+entries), each file with its size and mtime_ns (not its
 device and inode: a container's overlay file system gets a new device number at every start,
 and a stale entry costs only a read). At the next start, before torch is imported,
 `Prefetch` reads those ranges ahead, in file order, and the import then finds them in memory;
+the opens come from an audit hook (`watch_opens`, installed by `start_prefetch`), because no
+mapping or module shows them, yet on the H200 they were the longest wait of a cold start:
+`import torch` reads every installed distribution's `entry_points.txt`, and each of those
+opens waited 0.25-0.5 s behind the early reads (a 4 s longer start; runs 24-25 in
+docs/performance.md);
 the early reads begin once that is done. How it reads them decides how long the disk does
 little else: on the H200 VM, 8 threads of one 4 MiB `pread` at a time read a 465 MB set of
 1,119 files in 1.43-1.68 s (0.3 GB/s, against 2 GB/s for the checkpoint), most files being
