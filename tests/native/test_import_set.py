@@ -299,6 +299,10 @@ def test_what_the_start_opens_and_looks_for_is_in_the_set_and_read_ahead(tmp_pat
         assert str(absent) not in entries
     # Watching ended with that collect: the next one sees no opens at all.
     assert str(small) not in {f["path"] for f in importset.collect()["files"]}
+    importset.watch_opens()  # a start whose set still matched stops watching unrecorded
+    small.read_bytes()
+    importset.stop_watching()
+    assert str(small) not in {f["path"] for f in importset.collect()["files"]}
     set_file = tmp_path / "set.json"
     set_file.write_text(json.dumps(found))
     set_file.chmod(0o600)

@@ -158,6 +158,8 @@ def run(config: RankConfig,
             threading.Thread(target=importset.record,
                              args=(set_file, [*ckpt.files, held.path]),
                              name="weightcache-import-set", daemon=True).start()
+        else:
+            importset.stop_watching()
         _Serving.server, _Serving.listener = held.server, held.listener
         held.server.serve(held.listener)
         return EXIT_OK

@@ -142,6 +142,12 @@ def _opened() -> tuple[set[str], set[str]]:
     return paths, dirs
 
 
+def stop_watching() -> None:
+    """The start is over and no set will be written (the one read still matched): what it
+    opened is not needed, and a serving rank notes nothing more."""
+    _opened()
+
+
 def import_waits() -> bool:
     """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 imports torch once the set is read (at most the early
     reads' wait), so that the import finds its pages in memory instead of faulting on the ones
