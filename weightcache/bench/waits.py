@@ -51,8 +51,8 @@ _PATH_ARG = {"open": 0, "stat": 0, "lstat": 0, "access": 0, "readlink": 0, "exec
 class Process:
     """One watched process: its main thread's samples, classified as they are taken."""
 
-    def __init__(self, pid: int, name: str) -> None:
-        self.pid, self.name = pid, name
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
         self.samples: list[tuple[float, str]] = []
         self._maps: list[tuple[int, int, str]] = []
 
@@ -173,11 +173,11 @@ def _cmdline(pid: int) -> str:
 
 class StartWaits:
     """Samples a `weightcache preload` launcher and, once it has spawned it, its first rank,
-    from `start()` until `stop()`; `report()` says where each one's time went."""
+    from its creation until `stop()`, which says where each one's time went."""
 
     def __init__(self, launcher_pid: int, t0: float | None = None,
                  interval: float = INTERVAL) -> None:
-        self.launcher = Process(launcher_pid, "launcher")
+        self.launcher = Process(launcher_pid)
         self.rank: Process | None = None
         self.interval = interval
         self._t0 = time.perf_counter() if t0 is None else t0  # perf_counter() of the spawn
@@ -193,7 +193,7 @@ class StartWaits:
             if self.rank is None:
                 for child in _children(self.launcher.pid):
                     if RANK_MARK in _cmdline(child):
-                        self.rank = Process(child, "rank")
+                        self.rank = Process(child)
                         watched.append(self.rank)
                         break
             if not watched:

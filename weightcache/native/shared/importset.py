@@ -112,7 +112,8 @@ class _Opened:
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     paths = _Opened.paths
-    if paths is None or len(paths) >= MAX_FILES or getattr(_Opened.quiet, "on", False):
+    if (paths is None or len(paths) + len(_Opened.dirs) >= MAX_FILES
+            or getattr(_Opened.quiet, "on", False)):
         return
     if event == "open":
         path, mode, flags = args
@@ -285,8 +286,8 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
     opened, listed = _opened()
     for path in sorted(opened):
         real = os.path.realpath(path)
-        if (path in entries or path.startswith(SKIP_PREFIXES) or real in skip
-                or os.path.dirname(real) in skip_dirs):
+        if (path in entries or path.startswith(SKIP_PREFIXES)
+                or os.path.dirname(real) in skip_dirs):  # an excluded file's, or beside one
             continue
         try:
             st = os.stat(path)
@@ -510,42 +511,38 @@ class Prefetch:
 
     def _list(self, path: str) -> None:
         """A directory of the set: its entries, as a lookup of a missing name reads them."""
-        with self._lock:
-            listed = path in self._dirs
-            self._dirs.add(path)
-        try:
-            if not listed:
-                os.listdir(path)
-        except OSError:
+        if self._list_new([path])[1]:
             self._count(unread=1)
-            return
+        else:
+            self._count(files=1)
+
+    def _list_new(self, dirs: list[str]) -> tuple[int, int]:
+        """List those of `dirs` this prefetch has not listed yet: (listed, failed)."""
         with self._lock:
-            self._looked_up += 0 if listed else 1
-        self._count(files=1)
+            dirs = [d for d in dirs if d not in self._dirs]
+            self._dirs.update(dirs)
+        listed = 0
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.listdir(d)
+                listed += 1
+        with self._lock:
+            self._looked_up += listed
+        return listed, len(dirs) - listed
 
     def _look_up(self, path: str) -> None:
         """What the import reads besides this file's bytes (module doc): its directory's
         entries, and for a bytecode file its source's directory and the source itself."""
         parent = os.path.dirname(path)
-        dirs, sources = [parent], []
-        if os.path.basename(parent) == "__pycache__" and path.endswith(".pyc"):
-            top = os.path.dirname(parent)
-            dirs.append(top)
-            sources.append(os.path.join(top, os.path.basename(path).split(".", 1)[0] + ".py"))
-        with self._lock:
-            dirs = [d for d in dirs if d not in self._dirs]
-            self._dirs.update(dirs)
-        done = 0
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                os.listdir(d)
-                done += 1
-        for source in sources:
-            with contextlib.suppress(OSError):
-                os.stat(source)
-                done += 1
-        with self._lock:
-            self._looked_up += done
+        if os.path.basename(parent) != "__pycache__" or not path.endswith(".pyc"):
+            self._list_new([parent])
+            return
+        top = os.path.dirname(parent)
+        self._list_new([parent, top])
+        with contextlib.suppress(OSError):
+            os.stat(os.path.join(top, os.path.basename(path).split(".", 1)[0] + ".py"))
+            with self._lock:
+                self._looked_up += 1
 
     def _count(self, read: int = 0, files: int = 0, unread: int = 0, held: int = 0) -> None:
         with self._lock:
