@@ -213,7 +213,8 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
     assert any(f["path"].endswith(".pyc") for f in files)
     assert not any(f["path"].endswith(".safetensors") for f in files)
-    # `import torch` reads every installed distribution's entry points (torch.backends): no
+    # `import torch` reads every installed distribution's entry points (torch/__init__.py,
+    # `_import_device_backends`: `importlib.metadata.entry_points(group="torch.backends")`): no
     # mapping or module shows those files, and on the H200 a cold start waited 3-5 s on
     # them behind the early reads. The start's opens put them in the set, and the
     # directories looked in for a missing one.
