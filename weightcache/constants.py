@@ -69,6 +69,9 @@ ENV_IMPORT_SET_WAIT = "WEIGHTCACHE_IMPORT_SET_WAIT"
 # Whether a rank's early reads wait for its import set to be read (1, default) or start at
 # once, gentle until it is (0).
 ENV_EARLY_READS_WAIT = "WEIGHTCACHE_EARLY_READS_WAIT"
+# Whether a rank's early reads go on beside its fill (1, default) or stop when the fill begins
+# (0: the earlier way, kept to compare).
+ENV_EARLY_READS_BESIDE_FILL = "WEIGHTCACHE_EARLY_READS_BESIDE_FILL"
 # How a rank reads its import set ahead: "deep" (default: many readers, the kernel's readahead
 # asked for each range at once, the directories and sources the import looks up) or "plain"
 # (8 readers, one read at a time, file contents only: the earlier way, kept to compare).

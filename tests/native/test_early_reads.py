@@ -22,6 +22,7 @@ from weightcache.native.shared.checkpoint import open_checkpoint
 from weightcache.native.shared.coldload import drop_page_cache, load_entries, plan_jobs, span_of
 from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
+    BESIDE_ENV,
     BUDGET_ENV,
     MAX_BUDGET,
     EarlyReads,
@@ -262,6 +263,47 @@ def test_a_read_in_flight_when_the_fill_starts_is_taken_once_it_lands(model):
     got, stats = out[0]
     want, plain = _fill(model, None)
     first = cover_spans(files[0].stat().st_size, early.span)[0]
-    assert stats.early_bytes == early.taken_bytes == early.read_bytes == first[1] - first[0]
+    assert stats.early_bytes == early.taken_bytes == early.read_bytes >= first[1] - first[0]
+    # No byte read twice: what the early reads did not read, the fill read from the disk.
+    assert early.read_bytes + stats.read_bytes == sum(f.stat().st_size for f in files)
     assert torch.equal(got, want) and stats.record == plain.record
     early.close()
+
+
+def test_the_early_reads_go_on_beside_the_fill_and_each_job_is_read_once(tmp_path, monkeypatch):
+    """Once the fill began (`accept`), the early reads keep reading the jobs that nobody has
+    begun, and a job the fill asked for first is the fill's: never read by both. (Stopping the
+    early reads when the fill began left the disk's queue short while the fill set up.)"""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    files = open_checkpoint(model).files
+    drop_page_cache(files, everything=False)
+    go = threading.Event()
+    early = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=2, direct=False).start(go, 60)
+    early.accept({p: early.identities[p] for p in files})  # the fill began before any read
+    first, second = cover_spans(files[0].stat().st_size, early.span)[:2]
+    assert early.take(files[0], *first) is None  # not begun: the fill's own job from now on
+    go.set()
+    early.join()
+    total = sum(f.stat().st_size for f in files)
+    stats = early.stats()
+    assert stats["read_bytes"] == stats["after_accept_bytes"] == total - (first[1] - first[0])
+    assert stats["claimed_bytes"] == first[1] - first[0]
+    assert early.take(files[0], *first) is None  # still the fill's
+    data = early.take(files[0], *second)
+    assert data is not None
+    assert bytes(data) == files[0].read_bytes()[second[0] : second[1]]
+    del data
+    # A file the fill did not open as the same file is read no further.
+    late = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=2, direct=False)
+    late.accept({files[0]: late.identities[files[0]]})
+    late.start().join()
+    assert late.read_bytes == files[0].stat().st_size
+    assert late.take(files[1], 0, min(files[1].stat().st_size, late.span)) is None
+    # The earlier way, kept to compare: nothing more is read once the fill began.
+    monkeypatch.setenv(BESIDE_ENV, "0")
+    stopped = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=2, direct=False)
+    stopped.accept({p: stopped.identities[p] for p in files})
+    stopped.start().join()
+    assert stopped.read_bytes == 0 and stopped.stats()["beside_fill"] is False
+    for e in (early, late, stopped):
+        e.close()

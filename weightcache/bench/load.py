@@ -40,7 +40,9 @@ with the model cold again), noearly
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
 against the warm default of one per core), plainprefetch (READY with every cache dropped
 again, the rank's import set read ahead the earlier way: 8 readers, one read at a time, no
-lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`).
+lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`), stopearly (READY with the model cold
+again, the early reads stopping when the fill begins, `WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0`,
+then the default with the model cold again).
 """
 
 from __future__ import annotations
@@ -638,6 +640,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     # process has them (it imported torch before they ran), on every layout.
     r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
                                     "model")
+    if "stopearly" in parts:  # the early reads stopped when the fill begins: the earlier way
+        for key, env in STOP_EARLY_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, "model", env)
+        r["preload_cold_model_again"] = _safe("preload, model cold, again", preload_once,
+                                              model_dir, files, "model")
     if "readgrid" in parts:  # the read size: the device read and the fill at 16 and 64 MiB
         _read_grid(r, model_dir, files)
     if "readgrid" in parts or "noyield" in parts:  # what the disk's share costs READY
@@ -749,6 +756,8 @@ NOYIELD_READY = {"preload_cold_model_noyield": {"WEIGHTCACHE_LOAD_YIELD": "off"}
 # every cache dropped (True) and only the model cold ("model").
 BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model"}
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
+# READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
+STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
 # READY with every cache dropped, the import set read ahead the earlier way (importset.py).
 PLAIN_PREFETCH_READY = {"preload_cold_plain_prefetch": {"WEIGHTCACHE_IMPORT_SET_PREFETCH":
                                                         "plain"}}
@@ -838,7 +847,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_start_waits"] = _start_waits(_get(r, "preload_cold", "waits"))
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
-                *PLAIN_PREFETCH_READY,
+                *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

@@ -117,6 +117,7 @@ class LoadStats:
     hash_seconds: float = 0.0  # content digest in the reader threads, summed over threads
     record: dict[str, Any] | None = None  # name -> content.FileDigest, with digest=files
     setup_seconds: float = 0.0  # slowest thread's set-up (pinned buffers, stream)
+    ready_seconds: float = 0.0  # from the fill's start until its last reader was set up
     early_bytes: int = 0  # taken from the reads made while the rank started (earlyread)
     read_seconds: float = 0.0  # file reads, summed over threads
     wait_seconds: float = 0.0  # waiting for a buffer's copies to drain, summed over threads
@@ -139,6 +140,7 @@ class LoadStats:
             "cached_bytes": self.cached_bytes,
             "direct_bytes": self.direct_bytes,
             "setup_seconds": round(self.setup_seconds, 4),
+            "ready_seconds": round(self.ready_seconds, 4),
             "read_seconds_sum": round(self.read_seconds, 3),
             "wait_seconds_sum": round(self.wait_seconds, 3),
             "hash_seconds_sum": round(self.hash_seconds, 3),
@@ -296,7 +298,8 @@ class _Reader:
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
         self.hash_seconds = 0.0
-        self.setup_seconds = time.perf_counter() - t0
+        self.ready_at = time.perf_counter()
+        self.setup_seconds = self.ready_at - t0
 
     def fd(self, path: Path, direct: bool) -> int:
         key = (path, direct)
@@ -695,6 +698,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     stats.cached_bytes = sum(r.cached_bytes for r in readers)
     stats.direct_bytes = sum(r.direct_bytes for r in readers)
     stats.setup_seconds = max((r.setup_seconds for r in readers), default=0.0)
+    stats.ready_seconds = max((r.ready_at - t0 for r in readers), default=0.0)
     stats.read_seconds = sum(r.read_seconds for r in readers)
     stats.wait_seconds = sum(r.wait_seconds for r in readers)
     stats.hash_seconds = sum(r.hash_seconds for r in readers)

@@ -6,13 +6,20 @@ the disk reads in 8.5-10 s). Those seconds are CPU work; the disk is idle. `Earl
 right after the rank holds its lock, before torch is imported, and reads the files the fill
 will read, in the fill's own jobs (the content chunk grid, `cover_spans`), straight into one
 anonymous host mapping. When the fill starts it takes those jobs from memory (`take`: a memory
-copy into its pinned buffers, hashed there like any other job) and reads only the rest from
-the disk; no new early read starts from then on (`accept`), and the ones in flight finish
-beside the fill, which waits for such a job when it comes to it rather than read it again
-(draining them first left the disk's queue short while the fill set up). The early reads do not
-hash, and there are few of them (DEFAULT_THREADS): while torch imports, that one thread must
-keep a CPU to itself (from the page cache, every early read is a kernel memory copy that wants
-a CPU too).
+copy into its pinned buffers, hashed there like any other job) and reads the rest itself.
+The early reads go on beside the fill (`accept`), on the jobs that neither has begun: a job
+is claimed once, by whichever asks first (the fill's `take` of a job not begun claims it), and
+the fill waits for a job the early reads have in flight rather than read it again. Stopping
+them when the fill began left the disk short at the worst moment: on the H200 its queue fell
+from about 120 reads to 3-11 for 0.25-0.5 s while the fill's 32 readers started (threads,
+streams, pinned buffers), in every layout, and from then on half of the fill's readers were
+copying early jobs instead of reading (16 reads in flight, not 32). After `accept` the early
+readers read at the normal I/O priority: the idle class was for the start, and a scheduler
+that honours it (mq-deadline) would put them behind the fill's own reads while the fill waits
+for them (`WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0` stops them when the fill begins, the
+earlier way, kept to compare). The early reads do not hash, and there are few of them
+(DEFAULT_THREADS): while torch imports, that one thread must keep a CPU to itself (from the
+page cache, every early read is a kernel memory copy that wants a CPU too).
 
 Why not warm the page cache instead (what a prefetcher does): the page cache may evict what was
 read before the fill wants it, and buffered reads from many threads defeat readahead. Here each
@@ -44,9 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightcache import constants
+
 from . import loadenv
 from .content import CHUNK_BYTES, FileIdentity
-from .diskshare import DiskShare, idle_io_priority
+from .diskshare import DiskShare, idle_io_priority, normal_io_priority
 from .residency import resident
 from .threads import Pool
 
@@ -66,6 +75,15 @@ BUFFERED_THREADS = 4
 MAX_BUDGET = 16 << 30
 MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fill's readers do
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
+BESIDE_ENV = constants.ENV_EARLY_READS_BESIDE_FILL
+
+
+def beside_fill() -> bool:
+    """`WEIGHTCACHE_EARLY_READS_BESIDE_FILL`: 1 (default) lets the early reads go on beside the
+    fill; 0 stops them when it begins (the earlier way, kept to compare). A bad value is the
+    default: a knob that only tunes speed never fails a start."""
+    text = os.environ.get(BESIDE_ENV, "").strip().lower()
+    return text not in {"0", "false", "no"}
 
 
 def span_of(chunk: int) -> int:
@@ -111,7 +129,7 @@ class _Job:
     start: int
     end: int
     at: int  # offset of the job's first byte in the mapping (page-aligned)
-    state: int = 0  # 0 waiting, 1 reading, 2 done, 3 dropped
+    state: int = 0  # 0 waiting, 1 reading, 2 done, 3 dropped, 4 the fill's (it reads it)
 
 
 class EarlyReads:
@@ -133,6 +151,10 @@ class EarlyReads:
         self._lock = threading.Condition()  # also signals a read that finished (`take`)
         self._refused: set[Path] = set()  # files the fill did not open as these very files
         self._stop = threading.Event()
+        self._accepted = False  # the fill began (`accept`): normal priority, claims shared
+        self.beside = beside_fill()  # go on beside the fill, or stop when it begins
+        self.after_accept_bytes = 0  # read beside the fill
+        self.claimed_bytes = 0  # jobs the fill claimed before any early read began them
         self._pool: Pool | None = None
         self._after: threading.Event | None = None
         self._wait_s = 0.0
@@ -198,8 +220,13 @@ class EarlyReads:
             self._after.wait(self._wait_s)
             if index == 0:
                 self.waited = round(time.perf_counter() - t0, 4)
+        normal = False
         try:
             while (job := self._claim(index)) is not None:
+                if self._accepted and not normal:  # the start is over: read as the fill does
+                    normal = True
+                    if self.idle_io and not loadenv.idle():
+                        normal_io_priority()
                 ok = False
                 try:
                     ok = self._read(job, direct_fds)
@@ -250,6 +277,8 @@ class EarlyReads:
             self.read_bytes += n
             if direct:
                 self.direct_bytes += n
+            if self._accepted:
+                self.after_accept_bytes += n
         return True
 
     def join(self) -> None:
@@ -267,7 +296,7 @@ class EarlyReads:
             except BaseException:  # a signal's: the reads in flight still end before it goes
                 self._pool.close()
                 raise
-        if self.started and first:
+        if self.started and first and not self._accepted:
             self.seconds = time.perf_counter() - self.started
         return self.stats()
 
@@ -275,22 +304,29 @@ class EarlyReads:
         return {"budget_bytes": self.budget, "read_bytes": self.read_bytes,
                 "direct_bytes": self.direct_bytes, "taken_bytes": self.taken_bytes,
                 "resident_bytes": self.resident_bytes, "idle_io": self.idle_io,
-                "seconds": round(self.seconds, 3), "waited_seconds": self.waited}
+                "seconds": round(self.seconds, 3), "waited_seconds": self.waited,
+                "after_accept_bytes": self.after_accept_bytes,
+                "claimed_bytes": self.claimed_bytes, "beside_fill": self.beside}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
-        """The fill starts: no new early reads, and only the jobs of files it opened as the
-        same, unchanged file are kept. The reads in flight are not waited for (a drain would
-        leave the disk without a full queue while the fill sets up): they finish beside the
-        fill, which takes them when done (`take`)."""
+        """The fill starts: only the jobs of files it opened as the same, unchanged file are
+        kept, and the early reads go on beside the fill, on the jobs that neither has begun
+        (module docstring; with `beside_fill()` false, no new early read starts from now
+        on, and those in flight land beside the fill); `seconds` is the time until now. A
+        file the fill refused is read no further here. An empty `identities` (a fill that
+        digests only a share of the chunks) refuses every file: then nothing more is read
+        early."""
         with self._lock:
-            if not self._stop.is_set() and self.started:
+            if not self._accepted and not self._stop.is_set() and self.started:
                 self.seconds = time.perf_counter() - self.started
-            self._stop.set()
+            self._accepted = True
+            if not self.beside:
+                self._stop.set()  # no new early read; those in flight still land
             for path, ident in self.identities.items():
                 if identities.get(path) != ident:
                     self._refused.add(path)
             for job in self._order:
-                if job.state == 2 and job.path in self._refused:
+                if job.state in (0, 2) and job.path in self._refused:
                     job.state = 3
 
     def holds(self, path: Path, start: int, end: int) -> bool:
@@ -300,11 +336,16 @@ class EarlyReads:
             return job is not None and job.state in (1, 2) and path not in self._refused
 
     def take(self, path: Path, start: int, end: int) -> np.ndarray | None:
-        """The bytes [start, end) of `path`, once; None if they were not read. A read still
-        in flight is waited for: it is already at the disk, and the fill's own would queue
-        behind it."""
+        """The bytes [start, end) of `path`, once; None if they were not read, and then the
+        job is the caller's: no early read begins it any more (the fill reads it). A read
+        still in flight is waited for: it is already at the disk, and the fill's own would
+        queue behind it."""
         with self._lock:
             job = self._jobs.get((path, start, end))
+            if job is not None and job.state == 0:
+                job.state = 4
+                self.claimed_bytes += end - start
+                return None
             while job is not None and job.state == 1:
                 self._lock.wait()
             if job is None or job.state != 2 or self._map is None:
