@@ -466,3 +466,22 @@ def test_another_programs_faults_are_named_and_a_childs_count_as_our_own(cold_fi
     else:
         assert not theirs, f"our own child was named as another program: {named}"
         assert stats["own_faults"] >= int(faults)  # its faults are the share's own
+
+
+def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_path):
+    """One short burst of another program's faults (a helper that starts and exits) makes the
+    reads gentle for about HOLD, not for the window's length on top: on the H200, 4 faults that
+    nobody could name made a cold READY gentle for 1.5-1.8 s."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    share = DiskShare(interval=0.01, window=2.0, hold=0.2, source=vmstat, own=False,
+                      own_source=stat).start()
+    try:
+        time.sleep(0.1)  # the sampler's baseline
+        _counters(tmp_path, 1004, 0)
+        burst = time.monotonic()
+        assert _wait(lambda: share.gentle, 2), "the burst went unseen"
+        assert _wait(lambda: not share.gentle, 5)
+        # From the window's end it would be 2.2 s; from the fault, 0.2 s and a sample or two.
+        assert time.monotonic() - burst < 1.5
+    finally:
+        share.stop()

@@ -21,7 +21,12 @@ faults: it reads with `preadv` into memory it holds. So faults mean a program is
 or data in from storage. Swap-ins are faults too, and are subtracted (`pswpin`). At least
 FAULTS faults within WINDOW seconds make the load gentle: at most GENTLE_READERS direct reads
 in flight, each of at most GENTLE_READ bytes, at the idle I/O priority. It stays gentle until
-HOLD seconds pass with no such window. A reader that starts with `read()` calls and no faults
+HOLD seconds pass after the last fault of such a window. (Counted from the window's end, it
+was WINDOW + HOLD: on the H200, 4 faults of a short-lived program that nobody could name made
+a cold READY gentle for 1.5-1.8 s, against the disk's full rate for 1 s of it. A program that
+is still starting faults again within milliseconds once the reads are gentle, and one stalled
+behind full reads within 0.3 s: either keeps the share gentle.) A reader that starts with
+`read()` calls and no faults
 (Python source files, for one) is not seen; its wait is shorter, because readahead brings
 whole files.
 
@@ -352,6 +357,9 @@ class DiskShare:
                     row.append(named)
                 self.timeline.append(row)
             self.faults_total, self.own_total = count - first[0], own - first[1]
+            # Faults that count, new since the last sample: the hold runs from the last of them.
+            fresh = bool(samples) and (count - samples[-1][1]) - (
+                0 if self._count_own else own - samples[-1][2]) > 0
             samples.append((now, count, own))
             while len(samples) > 1 and samples[0][0] < now - self.window:
                 samples.popleft()
@@ -359,7 +367,8 @@ class DiskShare:
             if not self._count_own:
                 recent -= own - samples[0][2]
             if recent >= self.faults:
-                last_busy = now
+                if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
+                    last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
             self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
