@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -130,6 +130,13 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-probe-staging timeout "${BENCH_TIMEOUT:-300}" python3 \
         tests/gpu/probe_staging.py 2>&1 | tee "$OUT/probe_staging.log"
       rm -rf /var/tmp/wc-probe-staging
+      ;;
+    probe_copy)
+      # tests/gpu/probe_copy.py: copy mode's driver calls (import, map, access, unmap) and the
+      # copy queued a piece at a time as each piece is mapped (PROBE_GB, default 15).
+      shift
+      PROBE_OUT="$OUT/probe_copy.json" timeout "${BENCH_TIMEOUT:-300}" python3 \
+        tests/gpu/probe_copy.py 2>&1 | tee "$OUT/probe_copy.log"
       ;;
     *) echo "unknown step $1"; shift ;;
   esac
