@@ -485,3 +485,43 @@ def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_pa
         assert time.monotonic() - burst < 1.5
     finally:
         share.stop()
+
+
+def test_a_lone_burst_holds_briefly_and_a_fault_while_gentle_holds_long(tmp_path, monkeypatch):
+    """A lone burst of another program's faults makes the reads gentle for FIRST_HOLD; a fault
+    while they are gentle from an earlier one (a program still starting) for HOLD after it. On
+    the H200 one sample of 4 faults, and nothing after it, kept cold READYs gentle for 1.0-1.4
+    s while the disk could have read at its rate."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    sampled = threading.Event()  # the sampler's first read is its baseline (1000 faults)
+
+    def read_and_tell(source):
+        try:
+            return read_faults(source)
+        finally:
+            if threading.current_thread().name == "diskshare":
+                sampled.set()
+
+    monkeypatch.setattr(diskshare, "read_faults", read_and_tell)
+    share = DiskShare(interval=0.01, window=0.2, hold=2.0, first_hold=0.2, source=vmstat,
+                      own=False, own_source=stat).start()
+    try:
+        assert sampled.wait(30), "the sampler never read the counters"
+        _counters(tmp_path, 1004, 0)  # a lone burst
+        burst = time.monotonic()
+        assert _wait(lambda: share.gentle, 2), "the burst went unseen"
+        assert _wait(lambda: not share.gentle, 5)
+        assert time.monotonic() - burst < 1.2, "a lone burst was held as long as a start"
+        # A program that is starting: a fault, and another while the first still holds. Each
+        # step waits until the sampler saw it, so a slow sampler cannot merge the two.
+        _counters(tmp_path, 1005, 0)
+        assert _wait(lambda: share.gentle and share.stats()["faults"] == 5, 2)
+        _counters(tmp_path, 1006, 0)
+        assert _wait(lambda: share.stats()["faults"] == 6, 2)
+        last = time.monotonic()
+        time.sleep(0.8)  # four times the short hold, well inside the long one
+        assert share.gentle, "a fault while gentle did not hold for HOLD"
+        assert _wait(lambda: not share.gentle, 5)
+        assert time.monotonic() - last >= 1.5
+    finally:
+        share.stop()
