@@ -20,16 +20,12 @@ including faults from other containers, since the counter is not namespaced. A l
 faults: it reads with `preadv` into memory it holds. So faults mean a program is paging code
 or data in from storage. Swap-ins are faults too, and are subtracted (`pswpin`). At least
 FAULTS faults within WINDOW seconds make the load gentle: at most GENTLE_READERS direct reads
-in flight, each of at most GENTLE_READ bytes, at the idle I/O priority. A lone burst keeps it
-gentle for FIRST_HOLD seconds after its last fault; a fault while it is gentle from an earlier
-one (a program that is still starting) for HOLD seconds after the last fault. A program that
+in flight, each of at most GENTLE_READ bytes, at the idle I/O priority. It stays gentle until
+HOLD seconds pass after the last fault of such a window. (Counted from the window's end, it
+was WINDOW + HOLD: on the H200, 4 faults of a short-lived program that nobody could name made
+a cold READY gentle for 1.5-1.8 s, against the disk's full rate for 1 s of it. A program that
 is still starting faults again within milliseconds once the reads are gentle, and one stalled
-behind full reads within 0.3 s: either keeps the share gentle, the second at the cost of one
-fault behind the full queue. (On the H200, one sample of 4 faults of a short-lived program
-that nobody could name, and nothing after it, made 3 of 5 cold READYs gentle: for 1.5-1.8 s
-while the hold ran from the window's end, and still for 1.0-1.4 s with HOLD from the fault,
-while the rank's start went on on its CPU and the disk read 0.4 GB/s instead of 2.5.) A reader
-that starts with
+behind full reads within 0.3 s: either keeps the share gentle.) A reader that starts with
 `read()` calls and no faults
 (Python source files, for one) is not seen; its wait is shorter, because readahead brings
 whole files.
@@ -93,7 +89,6 @@ WINDOW = 0.5
 # per window let a rank's import crawl beside full-rate reads for 5 s.
 FAULTS = 1
 HOLD = 1.0
-FIRST_HOLD = 0.3  # a lone burst's hold (module docstring)
 # A rank's early reads start gentle: its `import torch` faults from its first milliseconds if
 # the libraries are cold, and a fault already queued behind 32 x 16 MiB waits 0.3 s. They go
 # full after this long without a fault (libraries in the page cache).
@@ -241,13 +236,11 @@ class DiskShare:
     """
 
     def __init__(self, *, interval: float = INTERVAL, window: float = WINDOW,
-                 faults: int = FAULTS, hold: float = HOLD, first_hold: float = FIRST_HOLD,
-                 readers: int = GENTLE_READERS,
+                 faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
                  read: int = GENTLE_READ, source: str = VMSTAT,
                  start_gentle: float = 0.0, own: bool = True,
                  own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
-        self.first_hold = min(first_hold, hold)
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
@@ -331,7 +324,6 @@ class DiskShare:
         # Gentle at the start counts as a fault START_GENTLE - HOLD seconds before it.
         last_busy = time.monotonic() - self.hold + self.start_gentle if self.start_gentle \
             else -1e9
-        hold = self.hold  # the hold running from `last_busy`: FIRST_HOLD for a lone burst
         first: tuple[int, int] | None = None
         began = time.monotonic()
         procs: dict[int, tuple[str, int, int]] = {}  # the last look: who had faulted how often
@@ -376,11 +368,9 @@ class DiskShare:
                 recent -= own - samples[0][2]
             if recent >= self.faults:
                 if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
-                    # Gentle already from an earlier fault: a program still starting.
-                    hold = self.hold if now - last_busy < hold else self.first_hold
                     last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
-            self._set(self._held or now - last_busy < hold, now)
+            self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
 
     def _who(self, before: dict[int, tuple[str, int, int]]) -> dict[int, tuple[str, int, int]]:
