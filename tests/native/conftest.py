@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,16 @@ def served(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
         yield sockets, p.wait_ready(120)
     finally:
         p.stop()
+
+
+def wait_until(predicate: Callable[[], Any], seconds: float = 5.0) -> bool:
+    """Poll `predicate` until it holds or `seconds` pass; its last answer."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return bool(predicate())
 
 
 def raw_connect(path: str | Path, timeout: float = 5.0) -> socket.socket:

@@ -25,6 +25,8 @@ from weightcache.native.shared.loader import plan_layout, tensors_from_table
 from weightcache.native.shared.sharding import parse_rules
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 
+from .conftest import wait_until
+
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
 
@@ -60,15 +62,6 @@ def cold_file(tmp_path) -> Path:
     return path
 
 
-def _wait(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_the_fault_counter_is_the_kernels():
     first = read_faults()
     assert isinstance(first, int) and first >= 0
@@ -87,7 +80,7 @@ def test_faults_make_reads_gentle_and_quiet_makes_them_full(cold_file):
     try:
         assert share.available
         # Nobody faulting (a shared machine may fault now and then: wait for a quiet spell).
-        assert _wait(lambda: not share.gentle, 10)
+        assert wait_until(lambda: not share.gentle, 10)
         got = share.acquire(16 * MiB)
         share.release()
         assert got == 16 * MiB
@@ -100,7 +93,7 @@ def test_faults_make_reads_gentle_and_quiet_makes_them_full(cold_file):
         t = threading.Thread(target=faulter)
         t.start()
         try:
-            assert _wait(lambda: share.gentle, 5), "64 major faults at a time went unseen"
+            assert wait_until(lambda: share.gentle, 5), "64 major faults at a time went unseen"
             got = share.acquire(16 * MiB)
             share.release()
             assert got == diskshare.GENTLE_READ
@@ -129,7 +122,7 @@ def test_faults_make_reads_gentle_and_quiet_makes_them_full(cold_file):
         finally:
             stop.set()
             t.join()
-        assert _wait(lambda: not share.gentle, 10), "still gentle long after the faults ended"
+        assert wait_until(lambda: not share.gentle, 10), "still gentle long after the faults ended"
         stats = share.stats()
         assert stats["gentle_switches"] >= 1 and stats["gentle_seconds"] > 0
         assert stats["most_faults_in_window"] >= 4
@@ -158,7 +151,7 @@ def test_a_gentle_load_reads_the_same_bytes(tmp_path):
         return flat, stats
 
     gentle = DiskShare(interval=0.01, faults=0).start()
-    assert _wait(lambda: gentle.gentle, 5)
+    assert wait_until(lambda: gentle.gentle, 5)
     try:
         flat_g, stats_g = fill(gentle)
     finally:
@@ -186,7 +179,7 @@ def test_a_share_that_starts_gentle_goes_full_without_faults():
         assert share.gentle
         assert share.acquire(16 * MiB) == diskshare.GENTLE_READ
         share.release()
-        assert _wait(lambda: not share.gentle, 10)
+        assert wait_until(lambda: not share.gentle, 10)
     finally:
         share.stop()
 
@@ -279,10 +272,10 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
             assert not quiet.gentle, "its own faults made a running load gentle"
         assert starting.gentle, "a starting rank's own faults went unseen"
         starting.ignore_own()
-        assert _wait(lambda: not starting.gentle, 2), "ignore_own did not take"
+        assert wait_until(lambda: not starting.gentle, 2), "ignore_own did not take"
         system += 20  # another program faults
         _counters(tmp_path, system, own)
-        assert _wait(lambda: quiet.gentle and starting.gentle, 2), "others' faults went unseen"
+        assert wait_until(lambda: quiet.gentle and starting.gentle, 2), "others' faults went unseen"
     finally:
         stats = quiet.stop()
         starting.stop()
@@ -316,7 +309,7 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
         # On a loaded machine the thread may first run after the next write: wait for it.
         assert sampled.wait(30), "the sampler never read the counters"
         _counters(tmp_path, 1010, 0)  # faults beside the set: gentle for at least `hold`
-        assert _wait(lambda: share.stats()["faults"] == 10, 2)
+        assert wait_until(lambda: share.stats()["faults"] == 10, 2)
         assert share.gentle and share.stats()["settled_at"] is None
         share.settle()
         assert not share.gentle, "settle() must take at once, not after the hold"
@@ -326,7 +319,7 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
         assert not share.gentle
         assert share.stats()["settled_at"] is not None
         _counters(tmp_path, 1011, 0)  # a program faults after it
-        assert _wait(lambda: share.gentle, 2), "a fault after settle() went unseen"
+        assert wait_until(lambda: share.gentle, 2), "a fault after settle() went unseen"
     finally:
         stats = share.stop()
     assert stats["faults"] == 11 and 0 <= stats["settled_at"] < 5
@@ -346,7 +339,7 @@ def test_a_held_share_stays_gentle_without_faults_until_settled_or_let_go(tmp_pa
         assert share.acquire(16 * MiB) == diskshare.GENTLE_READ
         share.release()
         share.let_go()
-        assert _wait(lambda: not share.gentle, 5), "let_go() left it gentle with no faults"
+        assert wait_until(lambda: not share.gentle, 5), "let_go() left it gentle with no faults"
         assert share.stats()["settled_at"] is None
         share.hold_gentle()
         assert share.gentle
@@ -395,7 +388,7 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
         assert not share.gentle, "the launcher's exit read as others' faults"
         system += 20  # another program faults
         _counters(tmp_path, system, 500)
-        assert _wait(lambda: share.gentle, 2), "others' faults went unseen"
+        assert wait_until(lambda: share.gentle, 2), "others' faults went unseen"
     finally:
         stats = share.stop()
     assert stats["own_faults"] == theirs - 300 and stats["faults"] == system - 1000
@@ -451,7 +444,7 @@ def test_another_programs_faults_are_named_and_a_childs_count_as_our_own(cold_fi
         if int(faults) == 0:
             pytest.skip("the mapped pages came without major faults")
         if orphan:
-            assert _wait(lambda: share.gentle, 3), "the other program's faults went unseen"
+            assert wait_until(lambda: share.gentle, 3), "the other program's faults went unseen"
         time.sleep(0.3)
     finally:
         stats = share.stop() if share is not None else {}
@@ -479,8 +472,8 @@ def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_pa
         time.sleep(0.1)  # the sampler's baseline
         _counters(tmp_path, 1004, 0)
         burst = time.monotonic()
-        assert _wait(lambda: share.gentle, 2), "the burst went unseen"
-        assert _wait(lambda: not share.gentle, 5)
+        assert wait_until(lambda: share.gentle, 2), "the burst went unseen"
+        assert wait_until(lambda: not share.gentle, 5)
         # From the window's end it would be 2.2 s; from the fault, 0.2 s and a sample or two.
         assert time.monotonic() - burst < 1.5
     finally:

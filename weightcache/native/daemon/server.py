@@ -31,6 +31,7 @@ from ..shared.security import SecurityError, check_peer, peer_credentials
 from ..shared.sharding import ShardRule
 from ..shared.transport import Arena, available_transports
 from .config import RankConfig
+from .handlers import Acceptors
 from .histogram import Histogram
 from .loading import LoadedShard
 from .updater import RankUpdater, UpdateConfig
@@ -106,7 +107,8 @@ class Stats:
 
 
 class RankServer:
-    """One rank's loaded arena, served to engines on its socket (thread per connection)."""
+    """One rank's loaded arena, served to engines on its socket (each connection on the
+    thread that accepted it: handlers.py)."""
 
     def __init__(
         self,
@@ -164,6 +166,7 @@ class RankServer:
         self.stopping = threading.Event()
         self.updates: RankUpdater | None = None  # set once built: in-place updates
         self._transports: list[str] | None = None
+        self._acceptors: Acceptors | None = None
 
     def ship_plan(self, build: Any) -> None:
         """Encode the plan on a thread of its own (about 2 us per tensor, so not in front of
@@ -567,40 +570,44 @@ class RankServer:
             self.stats.adjust("watchers", -1)
 
     def serve(self, listener: socket.socket) -> None:
-        # A process-directed signal may be delivered to any of torch's threads; then the main
-        # thread's accept() is not interrupted and Python's handler would wait for it forever.
-        # Waking up now and then lets the handler run (it then shuts the listener down).
-        listener.settimeout(ACCEPT_WAKE_S)
-        while not self.stopping.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+        """Serve until stopped: threads accept and serve the connections (handlers.py), this
+        one waits. A process-directed signal may be delivered to any of torch's threads; then
+        Python's handler waits until the main thread runs bytecode again, so it wakes now
+        and then (ACCEPT_WAKE_S) to let the handler run (it shuts the listener down)."""
+        self._acceptors = Acceptors(listener, self._accepted, "weightcache-conn",
+                                    limit=MAX_CONNECTIONS + limits.MAX_WATCHERS + 1).start()
+        try:
+            while not self.stopping.is_set():
+                self._acceptors.wake.wait(ACCEPT_WAKE_S)
                 if self.stopping.is_set():
                     return
-                raise
-            try:
-                peer = peer_credentials(conn)
-            except OSError:
-                conn.close()
-                continue
-            why = self._slots.acquire(peer[0], peer[1])
-            if why:
-                self.stats.request("connect", proto.E_BUSY)
-                with contextlib.suppress(OSError, proto.ProtocolError):
-                    conn.settimeout(0.5)
-                    proto.send_frame(conn, proto.error(proto.E_BUSY, why))
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self.handle, args=(conn, peer), daemon=True).start()
-            except RuntimeError:  # cannot start a thread: refuse rather than die
-                self._slots.release(peer[0], peer[1])
-                conn.close()
+                if self._acceptors.error is not None:
+                    raise self._acceptors.error
+        finally:
+            self._acceptors.close()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        """A new connection, on the thread that accepted it: its peer gets a slot (or
+        `busy`), then this thread serves it."""
+        try:
+            peer = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        why = self._slots.acquire(peer[0], peer[1])
+        if why:
+            self.stats.request("connect", proto.E_BUSY)
+            with contextlib.suppress(OSError, proto.ProtocolError):
+                conn.settimeout(0.5)
+                proto.send_frame(conn, proto.error(proto.E_BUSY, why))
+            conn.close()
+            return
+        self.handle(conn, peer)
 
     def shutdown(self) -> None:
         self.stopping.set()
+        if self._acceptors is not None:
+            self._acceptors.close()
         for conn in list(self._watchers):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
