@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -137,6 +137,14 @@ while [ $# -gt 0 ]; do
       shift
       PROBE_OUT="$OUT/probe_copy.json" timeout "${BENCH_TIMEOUT:-300}" python3 \
         tests/gpu/probe_copy.py 2>&1 | tee "$OUT/probe_copy.log"
+      ;;
+    probe_pin)
+      # tests/gpu/probe_pin.py: whether setting up the fill's pinned buffers stalls the O_DIRECT
+      # reads beside it, and what would not (PROBE_GB of file, default 12; PROBE_CASES).
+      shift
+      PROBE_DIR=/var/tmp/wc-probe-pin PROBE_OUT="$OUT/probe_pin.json" timeout "${BENCH_TIMEOUT:-300}" \
+        python3 tests/gpu/probe_pin.py 2>&1 | tee "$OUT/probe_pin.log"
+      rm -rf /var/tmp/wc-probe-pin
       ;;
     *) echo "unknown step $1"; shift ;;
   esac

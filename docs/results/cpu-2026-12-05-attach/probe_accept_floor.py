@@ -1,12 +1,14 @@
 """What a new connection's first reply costs in a bare Python Unix-socket server, by how the
 server gets the connection to a thread (nothing of weightcache: the floor under the daemon).
 
-    for m in thread queue acceptors; do python probe_accept_floor.py $m; done
+    for m in thread queue acceptors ordered; do python probe_accept_floor.py $m; done
 
 - thread: one accept loop (with a timeout, as the daemon's was), a thread started per
   connection;
 - queue: the same accept loop hands each connection to 4 idle threads through a queue;
-- acceptors: 4 idle threads each blocked in accept(), serving what they accept.
+- acceptors: 4 idle threads each blocked in accept(), serving what they accept;
+- ordered: the same, one at a time in accept() (a lock around it, as the daemon admits
+  connections in the order they came).
 
 A client process makes 400 connections, each sending one message and reading the reply twice:
 the median of the first reply (connect included) and of the second.
@@ -14,6 +16,7 @@ the median of the first reply (connect included) and of the second.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -61,9 +64,12 @@ def serve(mode: str, listener: socket.socket) -> None:
             threading.Thread(target=work, daemon=True).start()
         accept_loop(listener, conns.put)
     else:
+        order = threading.Lock() if mode == "ordered" else contextlib.nullcontext()
+
         def accept() -> None:
             while True:
-                conn, _ = listener.accept()
+                with order:
+                    conn, _ = listener.accept()
                 handle(conn)
 
         for _ in range(4):

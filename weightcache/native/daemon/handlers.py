@@ -2,13 +2,15 @@
 
 Why each thread accepts for itself: every attach starts with a connection, and what the
 daemon does before it reads the first request is on the attach's clock. A bare Python
-Unix-socket server on a 2-core VM answered a new connection's first message in 0.15-0.16 ms
-with one accept loop starting a thread per connection (as this daemon did), 0.05-0.09 ms with
-that loop handing connections to idle threads through a queue, and 0.017-0.018 ms with idle
-threads blocked in `accept()` themselves; the daemon's connect and first `hello` went from
-0.35-0.44 ms to 0.16-0.20 ms with this module (docs/results/cpu-2026-12-05-attach). The kernel
-wakes one of the threads waiting in `accept()`, which serves the connection itself: one
-wake-up, no hand-off, no thread start.
+Unix-socket server on a 2-core VM answered a new connection's first message in 0.14-0.23 ms
+with one accept loop starting a thread per connection (as this daemon did), 0.04-0.08 ms with
+that loop handing connections to idle threads through a queue, 0.013-0.018 ms with idle
+threads blocked in `accept()` themselves, and 0.03-0.05 ms with those threads taking turns at
+a lock around `accept()` (this module); the daemon's connect and first `hello` went from
+0.43-0.45 ms to 0.18-0.20 ms (docs/results/cpu-2026-12-05-attach). The thread in `accept()`
+wakes and serves the connection itself: one wake-up, no hand-off, no thread start. The lock
+makes the accept and the admission one connection at a time, so connections are admitted in
+the order they came (the one past a limit is the one refused).
 
 While a thread serves, another takes its place in `accept()` if none is left there (a
 connection may last long: a `watch` holds its thread until the watcher leaves). A thread whose
@@ -19,14 +21,15 @@ the listen backlog for a thread to come back. Which connections are admitted is 
 decision (`RankServer._accepted`, with `limits.PeerLimiter`): this module only runs threads.
 They are daemon threads: one holding a connection never keeps the rank's process from exiting.
 
-Stopping: the rank's signal handler shuts the listener down (`SHUT_RDWR`), which makes every
-blocked `accept()` fail; the threads then end. An `accept()` that fails while the listener is
-meant to serve (EMFILE, say) is kept as `error` for the caller, as the single accept loop
-raised it before.
+Stopping: the rank's signal handler, or `close()`, shuts the listener down (`SHUT_RDWR`),
+which makes every blocked `accept()` fail; the threads then end. An `accept()` that fails
+while the listener is meant to serve (EMFILE, say) is kept as `error` for the caller, as the
+single accept loop raised it before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -34,16 +37,24 @@ from collections.abc import Callable
 
 log = logging.getLogger("weightcache.daemon")
 
-KEEP = 4  # threads waiting in accept(): an engine's attach, the agent's stats, a watcher
+KEEP = 4  # threads ready to accept: an engine's attach, the agent's stats, a watcher
 
 
 class Acceptors:
-    """Threads that each `accept()` on `listener`, then `serve(conn)` what they accepted."""
+    """Threads that each `accept()` on `listener` and run what `take(conn)` returns for it.
 
-    def __init__(self, listener: socket.socket, serve: Callable[[socket.socket], None],
+    `take` runs in the order the kernel queued the connections (one thread accepts and takes
+    at a time): it decides at once whether a connection is admitted (a slot) and returns the
+    work for it, which runs after, beside the others. So the connection past a limit is the
+    one refused, as with a single accept loop; only the serving runs in parallel.
+    """
+
+    def __init__(self, listener: socket.socket,
+                 take: Callable[[socket.socket], Callable[[], None]],
                  name: str, keep: int = KEEP, limit: int = 1024) -> None:
         self._listener = listener
-        self._serve = serve
+        self._take = take
+        self._order = threading.Lock()  # accept() and take() of one connection at a time
         self._name = name
         self._keep = max(1, keep)
         self._limit = max(self._keep, limit)
@@ -63,10 +74,13 @@ class Acceptors:
         return self
 
     def close(self) -> None:
-        """No thread accepts again; busy ones end with their connection. The listener's
-        shutdown is what wakes the threads blocked in accept()."""
+        """No thread accepts again (the listener is shut down, which wakes every thread
+        blocked in accept()); busy ones end with their connection. The caller closes the
+        listener itself, once no thread can be about to call accept() on it."""
         with self._lock:
             self._closed = True
+        with contextlib.suppress(OSError):  # shut down already (the rank's signal handler)
+            self._listener.shutdown(socket.SHUT_RDWR)
         self.wake.set()
 
     @property
@@ -107,7 +121,9 @@ class Acceptors:
     def _accept_and_serve(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                with self._order:
+                    conn, _ = self._listener.accept()
+                    work = self._take(conn)
             except OSError as exc:
                 with self._lock:
                     self._accepting -= 1
@@ -121,7 +137,7 @@ class Acceptors:
                 alone = self._accepting == 0
             if alone:
                 self._start()  # someone accepts while this thread serves
-            self._serve(conn)
+            work()
             with self._lock:
                 if self._closed or self._accepting >= self._keep:
                     return

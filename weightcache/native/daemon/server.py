@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,10 @@ class Connection:
     started: float = field(default_factory=time.monotonic)
     served_state: bool = False
     claim_owed: bool = False  # a `get_state {claim: "after"}` served, no `check_claim` yet
+
+
+def _nothing() -> None:
+    pass
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -574,7 +579,7 @@ class RankServer:
         one waits. A process-directed signal may be delivered to any of torch's threads; then
         Python's handler waits until the main thread runs bytecode again, so it wakes now
         and then (ACCEPT_WAKE_S) to let the handler run (it shuts the listener down)."""
-        self._acceptors = Acceptors(listener, self._accepted, "weightcache-conn",
+        self._acceptors = Acceptors(listener, self._take, "weightcache-conn",
                                     limit=MAX_CONNECTIONS + limits.MAX_WATCHERS + 1).start()
         try:
             while not self.stopping.is_set():
@@ -586,23 +591,25 @@ class RankServer:
         finally:
             self._acceptors.close()
 
-    def _accepted(self, conn: socket.socket) -> None:
-        """A new connection, on the thread that accepted it: its peer gets a slot (or
-        `busy`), then this thread serves it."""
+    def _take(self, conn: socket.socket) -> Callable[[], None]:
+        """A new connection, in the order connections came (handlers.py): its peer gets a
+        slot, or is refused; what this connection's thread does next."""
         try:
             peer = peer_credentials(conn)
         except OSError:
             conn.close()
-            return
+            return _nothing
         why = self._slots.acquire(peer[0], peer[1])
         if why:
-            self.stats.request("connect", proto.E_BUSY)
-            with contextlib.suppress(OSError, proto.ProtocolError):
-                conn.settimeout(0.5)
-                proto.send_frame(conn, proto.error(proto.E_BUSY, why))
-            conn.close()
-            return
-        self.handle(conn, peer)
+            return lambda: self._refuse(conn, why)
+        return lambda: self.handle(conn, peer)
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        self.stats.request("connect", proto.E_BUSY)
+        with contextlib.suppress(OSError, proto.ProtocolError):
+            conn.settimeout(0.5)
+            proto.send_frame(conn, proto.error(proto.E_BUSY, why))
+        conn.close()
 
     def shutdown(self) -> None:
         self.stopping.set()
