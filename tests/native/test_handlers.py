@@ -199,3 +199,23 @@ def test_connections_are_admitted_in_the_order_they_came(listener):
         for c in clients:
             c.close()
         acceptors.close()
+
+
+def test_a_take_that_raises_closes_that_connection_and_keeps_accepting(listener):
+    sock, path = listener
+    calls: list[int] = []
+
+    def take(conn: socket.socket):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        return lambda: _echo_once([])(conn)
+
+    acceptors = Acceptors(sock, take, "bug", keep=1).start()
+    try:
+        with _client(path) as c:
+            assert c.recv(16) == b""  # closed, no reply
+        assert _ask(path) == b"HI"
+        assert wait_until(lambda: acceptors.accepting == 1)
+    finally:
+        acceptors.close()

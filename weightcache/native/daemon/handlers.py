@@ -123,7 +123,12 @@ class Acceptors:
             try:
                 with self._order:
                     conn, _ = self._listener.accept()
-                    work = self._take(conn)
+                    try:
+                        work = self._take(conn)
+                    except Exception:  # a bug must not cost the rank an accepting thread
+                        log.exception("cannot admit a connection")
+                        conn.close()
+                        continue
             except OSError as exc:
                 with self._lock:
                     self._accepting -= 1
