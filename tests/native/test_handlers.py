@@ -82,7 +82,7 @@ def test_long_connections_never_stop_the_accepting(listener):
             conn.sendall(b"in")
             release.wait(10)
 
-    acceptors = Acceptors(sock, _take(serve), "t", keep=2).start()
+    acceptors = Acceptors(sock, _take(serve), "long", keep=2).start()
     clients = []
     try:
         for _ in range(6):
@@ -92,7 +92,7 @@ def test_long_connections_never_stop_the_accepting(listener):
         assert len(set(inside)) == 6
         assert acceptors.accepting >= 1
         release.set()
-        threads = lambda: [t for t in threading.enumerate() if t.name.startswith("t-")]  # noqa: E731
+        threads = lambda: [t for t in threading.enumerate() if t.name.startswith("long-")]  # noqa: E731
         assert wait_until(lambda: len(threads()) == 2 and acceptors.accepting == 2)
     finally:
         release.set()
@@ -209,7 +209,7 @@ def test_a_take_that_raises_closes_that_connection_and_keeps_accepting(listener)
         calls.append(1)
         if len(calls) == 1:
             raise ValueError("a bug")
-        return lambda: _echo_once([])(conn)
+        return _take(_echo_once([]))(conn)
 
     acceptors = Acceptors(sock, take, "bug", keep=1).start()
     try:

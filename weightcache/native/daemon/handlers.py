@@ -15,11 +15,12 @@ the order they came (the one past a limit is the one refused).
 While a thread serves, another takes its place in `accept()` if none is left there (a
 connection may last long: a `watch` holds its thread until the watcher leaves). A thread whose
 connection ends goes back to `accept()` unless `keep` threads wait there already; then it
-ends, so a burst leaves no crowd of threads behind. Live threads never exceed `limit` (the
-connections a rank admits at once, plus `keep`): at the limit, the next connection waits in
-the listen backlog for a thread to come back. Which connections are admitted is the caller's
-decision (`RankServer._accepted`, with `limits.PeerLimiter`): this module only runs threads.
-They are daemon threads: one holding a connection never keeps the rank's process from exiting.
+ends, so a burst leaves no crowd of threads behind. Live threads never exceed `limit` (a rank
+passes the connections it admits at once, plus one): at the limit, the next connection waits
+in the listen backlog for a thread to come back. Which connections are admitted is the
+caller's decision (`RankServer._take`, with `limits.PeerLimiter`): this module only runs
+threads. They are daemon threads: one holding a connection never keeps the rank's process from
+exiting.
 
 Stopping: the rank's signal handler, or `close()`, shuts the listener down (`SHUT_RDWR`),
 which makes every blocked `accept()` fail; the threads then end. An `accept()` that fails

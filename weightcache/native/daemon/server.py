@@ -61,10 +61,6 @@ class Connection:
     claim_owed: bool = False  # a `get_state {claim: "after"}` served, no `check_claim` yet
 
 
-def _nothing() -> None:
-    pass
-
-
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -597,8 +593,7 @@ class RankServer:
         try:
             peer = peer_credentials(conn)
         except OSError:
-            conn.close()
-            return _nothing
+            return conn.close
         why = self._slots.acquire(peer[0], peer[1])
         if why:
             return lambda: self._refuse(conn, why)
