@@ -46,6 +46,15 @@ def _client(path: str) -> socket.socket:
     return c
 
 
+def _end(acceptors: Acceptors, clients: list[socket.socket], *events: threading.Event) -> None:
+    """A test's teardown: let every held connection go, close the clients, then the threads."""
+    for event in events:
+        event.set()
+    for c in clients:
+        c.close()
+    acceptors.close()
+
+
 def _ask(path: str) -> bytes:
     with _client(path) as c:
         c.sendall(b"hi")
@@ -95,10 +104,7 @@ def test_long_connections_never_stop_the_accepting(listener):
         threads = lambda: [t for t in threading.enumerate() if t.name.startswith("long-")]  # noqa: E731
         assert wait_until(lambda: len(threads()) == 2 and acceptors.accepting == 2)
     finally:
-        release.set()
-        for c in clients:
-            c.close()
-        acceptors.close()
+        _end(acceptors, clients, release)
 
 
 def test_a_shut_down_listener_ends_every_thread(listener):
@@ -154,11 +160,7 @@ def test_threads_never_exceed_the_limit_and_the_rest_wait_in_the_backlog(listene
         assert wait_until(lambda: len(served) == 5)
         assert [c.recv(2) for c in clients] == [b"in"] * 5
     finally:
-        for g in gates:
-            g.set()
-        for c in clients:
-            c.close()
-        acceptors.close()
+        _end(acceptors, clients, *gates)
 
 
 def test_connections_are_admitted_in_the_order_they_came(listener):
@@ -195,10 +197,7 @@ def test_connections_are_admitted_in_the_order_they_came(listener):
         assert taken == list(range(24))
         assert sorted(refused) == list(range(8, 24))
     finally:
-        release.set()
-        for c in clients:
-            c.close()
-        acceptors.close()
+        _end(acceptors, clients, release)
 
 
 def test_a_take_that_raises_closes_that_connection_and_keeps_accepting(listener):
