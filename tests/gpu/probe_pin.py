@@ -21,6 +21,8 @@ in the second before the set-up, during it and in the second after, with the lon
 read completed.
 
 Run: `tests/gpu/run_device.sh probe_pin` (PROBE_GB of file, default 12; PROBE_CASES narrows).
+On the H200 (run34, docs/performance.md): the set-up as today took 0.42 s, the reads beside it
+ran at 0.9x meanwhile and never paused more than 0.13 s; it is not what stalls the disk.
 `python3 tests/gpu/probe_pin.py --dry` runs the `none` case on a small file, on any machine.
 """
 
