@@ -34,6 +34,8 @@ from weightcache.native.shared.residency import resident_pages
 from weightcache.native.shared.sharding import parse_rules
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 
+from .conftest import wait_until
+
 SHAPE = LlamaShape(hidden=256, layers=2, intermediate=768, vocab=1024, heads=4, kv_heads=2,
                    tied=False)
 CHUNK = 1 << 20  # small reads: several jobs per file
@@ -251,10 +253,8 @@ def test_a_read_in_flight_when_the_fill_starts_is_taken_once_it_lands(model):
     out: list = []
     filler = threading.Thread(target=lambda: out.append(_fill(model, early)))
     filler.start()
-    deadline = time.monotonic() + 10
-    while early.stats()["seconds"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the fill accepted the early reads: it did not wait for the read
-    accepted = early.stats()["seconds"] > 0
+    # The fill accepted the early reads: it did not wait for the read.
+    accepted = wait_until(lambda: early.stats()["seconds"] > 0, 10)
     time.sleep(0.2)
     assert not out  # the fill waits for the job in flight rather than finishing without it
     disk.go.set()

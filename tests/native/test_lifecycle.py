@@ -20,7 +20,7 @@ from weightcache.native.shared import protocol as proto
 from weightcache.native.shared.identity import cpu_identity, socket_path
 from weightcache.native.shared.security import SocketLock
 
-from .conftest import raw_connect
+from .conftest import raw_connect, wait_until
 
 
 def http_status(url: str) -> tuple[int, dict]:
@@ -60,10 +60,7 @@ def test_sigterm_stops_ranks_and_removes_sockets_and_locks(ckpt, sock_dir, prelo
     assert watcher.recv(1) == b""  # the watch closes when the daemon exits
     watcher.close()
     assert os.listdir(sock_dir) == []
-    deadline = time.monotonic() + 10
-    while any(pid_alive(pid) for pid in ready["pids"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(pid) for pid in ready["pids"])
+    assert wait_until(lambda: not any(pid_alive(pid) for pid in ready["pids"]), 10)
 
 
 def test_not_ready_while_loading_never_a_partial_table(ckpt, sock_dir, preload, monkeypatch):
@@ -74,9 +71,7 @@ def test_not_ready_while_loading_never_a_partial_table(ckpt, sock_dir, preload, 
                 "--weight-cache-health-port", "0", env=env)
     health = json.loads(p.proc.stdout.readline().removeprefix("HEALTH "))["url"]
     path = socket_path(sock_dir, cpu_identity(0))
-    deadline = time.monotonic() + 60
-    while not Path(f"{path}.lock").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(Path(f"{path}.lock").exists, 60)
     # Loading: the lock is held, the socket is not bound, health says 503 per rank.
     assert not path.exists()
     code, body = http_status(health)
@@ -129,10 +124,8 @@ def test_exit_with_parent_stops_everything_when_the_supervisor_dies(ckpt, sock_d
         pids = json.loads(line[6:])["pids"]
         sup.kill()  # the supervisor dies without any chance to clean up
         sup.wait()
-        deadline = time.monotonic() + 30
-        while (os.listdir(sock_dir) or any(map(pid_alive, pids))) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert os.listdir(sock_dir) == [] and not any(map(pid_alive, pids))
+        assert wait_until(lambda: os.listdir(sock_dir) == [] and not any(map(pid_alive, pids)),
+                          30)
     finally:
         if sup.poll() is None:
             sup.kill()
