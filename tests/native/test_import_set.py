@@ -100,6 +100,48 @@ def test_a_prefetch_reads_only_the_ranges_the_page_cache_lacks(tmp_path):
     assert _resident(cold)
 
 
+def test_a_set_held_whole_is_done_on_one_check_with_nothing_read_or_looked_up(tmp_path):
+    """Where every range of the set is in memory (only the model cold), the prefetch is done
+    after one thread has checked it: no reads, no directory listings, and whole (the share
+    settles). One file the page cache lacks, and the full prefetch runs as before."""
+    def warm(path: Path) -> Path:
+        path.write_bytes(os.urandom(16 * PAGE))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.pread(fd, 16 * PAGE, 0)
+        finally:
+            os.close(fd)
+        return path
+
+    pkg = tmp_path / "pkg"
+    (pkg / "__pycache__").mkdir(parents=True)
+    held = [warm(tmp_path / "a.so"), warm(pkg / "__pycache__" / "m.cpython-312.pyc")]
+    if not all(_resident(f) for f in held):
+        pytest.skip("this kernel keeps no page cache for the test's files")
+
+    def entry(f: Path) -> dict:
+        return {"path": str(f), "identity": importset._identity(f.stat()),
+                "ranges": [(0, f.stat().st_size)]}
+
+    files = [entry(f) for f in held] + [{"path": str(pkg), "list": True}]
+    pf = importset.Prefetch(files).start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["checked_only"] is True and pf.whole()
+    assert stats["bytes"] == 0 and stats["looked_up"] == 0
+    assert stats["resident_bytes"] == 32 * PAGE and stats["files"] == 3
+    cold = _file(tmp_path / "cold.so", 8)
+    pf = importset.Prefetch([*files, entry(cold)]).start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["checked_only"] is False and pf.whole()
+    assert stats["bytes"] == 8 * PAGE and stats["looked_up"] >= 1 and _resident(cold)
+    (pkg / "__pycache__").rename(tmp_path / "moved")  # a listed directory gone: unread
+    gone = importset.Prefetch([entry(held[0]), {"path": str(pkg / "__pycache__"),
+                                                "list": True}]).start()
+    assert gone.done.wait(30) and gone.stats()["unread"] == 1 and gone.needs_record()
+
+
 @pytest.mark.parametrize("how", ["deep", "plain"])
 def test_a_deep_prefetch_also_looks_up_what_the_import_reads_and_both_read_the_same(
         tmp_path, monkeypatch, how):
@@ -337,6 +379,32 @@ def test_a_set_is_written_anew_only_when_missing_or_stale(tmp_path):
                                  "ranges": [(0, 8192)]}])
     stale.start().done.wait(10)
     assert stale.stats()["unread"] == 1 and stale.needs_record()
+
+
+def test_a_set_written_anew_does_not_name_itself(tmp_path):
+    """The start that writes a set anew read the old one first (its open is seen); naming
+    the set in itself would make it stale at once, and every later start would write it
+    again. So the next start finds it matching and keeps it."""
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"x" * 8192)
+    set_file = tmp_path / "state" / "import-set.json"
+    set_file.parent.mkdir(mode=0o700)
+    set_file.write_text(json.dumps({"version": importset.VERSION, "files": [
+        {"path": str(lib), "identity": [1, 2], "ranges": [[0, 8192]]}]}))  # stale
+    set_file.chmod(0o600)
+    importset.watch_opens()
+    try:
+        stale = importset.Prefetch(importset.load(set_file)).start()
+        assert stale.done.wait(10) and stale.needs_record()
+        lib.read_bytes()
+        written = importset.record(set_file)
+    finally:
+        importset.stop_watching()
+    assert written is not None
+    names = {f["path"] for f in written["files"]}
+    assert str(lib) in names and str(set_file) not in names
+    again = importset.Prefetch(importset.load(set_file)).start()
+    assert again.done.wait(10) and not again.needs_record()
 
 
 def test_a_whole_set_says_so_once_read_and_calls_back_on_done(tmp_path):
