@@ -124,9 +124,9 @@ def daemon_command(model: Path, socket_dir: Path, transport: str) -> list[str]:
 
 def start_daemon(
     model: Path, socket_dir: Path, transport: str, prefix: list[str] | None = None,
-    timeout: float = 240.0,
+    timeout: float = 240.0, suffix: list[str] | None = None,
 ) -> Daemon:
-    cmd = [*(prefix or []), *daemon_command(model, socket_dir, transport)]
+    cmd = [*(prefix or []), *daemon_command(model, socket_dir, transport), *(suffix or [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -147,8 +147,9 @@ def daemon_factory() -> Iterator:
     root = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
     started: list[Daemon] = []
 
-    def make(model: Path, transport: str, prefix: list[str] | None = None) -> Daemon:
-        d = start_daemon(model, root / f"s{len(started)}", transport, prefix)
+    def make(model: Path, transport: str, prefix: list[str] | None = None,
+             suffix: list[str] | None = None) -> Daemon:
+        d = start_daemon(model, root / f"s{len(started)}", transport, prefix, suffix=suffix)
         started.append(d)
         return d
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -145,6 +145,16 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-probe-pin PROBE_OUT="$OUT/probe_pin.json" timeout "${BENCH_TIMEOUT:-300}" \
         python3 tests/gpu/probe_pin.py 2>&1 | tee "$OUT/probe_pin.log"
       rm -rf /var/tmp/wc-probe-pin
+      ;;
+    probe_ready_start)
+      # tests/gpu/probe_ready_start.py: READY with the model cold, this tree against the base
+      # tree in PROBE_BASE (a directory with a `weightcache` package; e.g. `.bench-base`,
+      # carried), alternated, with the start's marks and the driver's start time.
+      shift
+      [ -n "${PROBE_BASE:-}" ] && python3 -m compileall -q -j 0 "$PROBE_BASE/weightcache" >/dev/null 2>&1
+      PROBE_DIR=/var/tmp/wc-ready-start PROBE_OUT="$OUT/probe_ready_start.json" \
+        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_ready_start.py 2>&1 | tee "$OUT/probe_ready_start.log"
+      rm -rf /var/tmp/wc-ready-start
       ;;
     *) echo "unknown step $1"; shift ;;
   esac

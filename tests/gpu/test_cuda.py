@@ -8,10 +8,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from weightcache.native.shared.loader import load_into_arena, plan_layout
 from weightcache.native.shared.sharding import parse_rules
 from weightcache.native.shared.transport import TransportError, _cuda, get_transport
 
-from .conftest import PROBE, run_probe
+from .conftest import PROBE, daemon_command, run_probe
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -195,6 +198,56 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
             assert held1 >= held0 - nbytes * 0.1
         code, again = run_probe(medium_model, daemon.socket, "zero_copy")
         assert code == 0 and again["source"] == "cache", again
+
+
+def test_copy_mode_attaches_share_one_allocating_thread(daemon_factory, medium_model):
+    """Two copy-mode attaches in one process: each gets its own block with the checkpoint's
+    bytes, and both were allocated by the one thread the process keeps (`_Allocator`)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from weightcache.native.engine import attach as client
+
+    daemon = daemon_factory(medium_model, "cuda_vmm")
+    results = [client.attach(medium_model, device="cuda:0", socket_path=daemon.socket,
+                             mode="copy", fallback=False) for _ in range(2)]
+    assert [t.name for t in threading.enumerate()].count("weightcache-alloc") == 1
+    first, second = (r.state_dict for r in results)
+    assert all(r.source == "cache" and r.mode == "copy" for r in results)
+    want: dict[str, torch.Tensor] = {}
+    for f in sorted(medium_model.glob("*.safetensors")):
+        want.update(load_file(f))
+    assert set(first) >= set(want)
+    for name, tensor in want.items():
+        assert first[name].data_ptr() != second[name].data_ptr()  # two blocks, not one
+        assert torch.equal(first[name].cpu(), tensor), name
+        assert torch.equal(second[name].cpu(), tensor), name
+
+
+def test_rank_named_by_the_launchers_uuid_checks_it(daemon_factory, medium_model):
+    """A rank handed its device's UUID (`--device-uuid`, as the launcher does) serves under
+    it; handed another GPU's, it refuses to serve once its CUDA context shows the truth
+    (exit 1), leaving no socket and no lock behind."""
+    from weightcache.contracts.vocabulary import EXIT_ERROR
+
+    uuid = (gpu.visible_device_uuids() or [None])[0]
+    assert uuid == gpu.device_uuid(0)
+    daemon = daemon_factory(medium_model, "cuda_vmm", suffix=["--device-uuid", uuid])
+    assert daemon.info["device"] == uuid and daemon.socket.endswith(f"/{uuid}.sock")
+    assert daemon.stop() == 0
+    wrong = "GPU-00000000-0000-0000-0000-000000000000"
+    root = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))  # socket paths: <= 107 bytes
+    try:
+        sockets = root / "s"
+        cmd = [*daemon_command(medium_model, sockets, "cuda_vmm"), "--device-uuid", wrong]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == EXIT_ERROR, done.stderr[-2000:]
+        assert "refusing to serve under the wrong name" in done.stderr
+        assert "SERVING" not in done.stdout
+        assert not any(sockets.iterdir())  # neither the socket nor its lock file
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_release_and_exit_give_memory_back(daemon_factory, medium_model):

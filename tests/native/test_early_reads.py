@@ -154,6 +154,10 @@ def test_a_cpu_rank_reads_while_it_starts_and_serves_the_digest(tmp_path, sock_d
     assert loader["early_bytes"] == early["taken_bytes"] == early["read_bytes"]
     if cold:  # the pages left: the rank read them while it started
         assert early["read_bytes"] > 0
+        # ... from after it held its lock until before torch was imported, on READY's clock
+        marks = rank["marks"]
+        assert marks["locked"] <= early["first_read_at"] <= early["first_landed_at"]
+        assert early["first_read_at"] < marks["imported"]
     digest = content.content_root(content.digest_files(open_checkpoint(model).files))
     assert query(ready["sockets"][0], "hello")["content"] == digest
 

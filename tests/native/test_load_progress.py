@@ -178,6 +178,14 @@ def test_health_shows_bytes_loaded_and_ready_carries_the_rate(ckpt, sock_dir, pr
     assert ready["gb_per_s"] == pytest.approx(ready["bytes"] / ready["seconds"] / 1e9, rel=0.01)
     phases = ready["rank_loads"][0]["phases"]
     assert {"startup_seconds", "plan_seconds", "allocate_seconds", "fill_seconds"} <= set(phases)
+    # The start's marks, one clock across the launcher and its rank, in the order they pass.
+    launcher, marks = ready["marks"], ready["rank_loads"][0]["marks"]
+    order = [launcher["main"], launcher["validated"], launcher["spawned"], marks["exec"],
+             marks["run"], marks["input"], marks["locked"], marks["early_started"],
+             marks["imported"], marks["serving"]]
+    assert order == sorted(order), (launcher, marks)
+    assert marks["serving"] - launcher["main"] >= 3  # the bind delay is inside READY
+    assert ready["seconds"] == pytest.approx(marks["serving"] - launcher["main"], abs=0.5)
     code, body = http_status(health)
     assert code == 200 and body["bytes_loaded"] == body["bytes"] == ready["bytes"]
     p.proc.send_signal(signal.SIGTERM)

@@ -36,6 +36,31 @@ def test_a_rank_that_cannot_exist_is_refused_before_anything(ckpt, argv):
     assert refused.value.code == EXIT_BAD_INPUT
 
 
+def test_the_launchers_device_uuid_is_a_gpu_uuid_for_a_cuda_rank(ckpt, sock_dir):
+    """`--device-uuid` (the launcher's driver query) names the socket and lock of a CUDA rank
+    without a cuInit of its own; anything but a GPU UUID, or on a CPU rank, is refused."""
+    raw = "GPU-ABCDEF01-2345-6789-ABCD-EF0123456789"
+    canonical = "GPU-abcdef01-2345-6789-abcd-ef0123456789"
+    config = config_for("--model", str(ckpt), "--device", "cuda", "--device-uuid", raw)
+    assert config.device_uuid == canonical
+    assert config_for("--model", str(ckpt), "--device", "cuda").device_uuid is None
+    for argv in (["--device", "cuda", "--device-uuid", "cuda:0"],
+                 ["--device", "cuda", "--device-uuid", "../GPU-0"],
+                 ["--device", "cpu", "--device-uuid", raw]):
+        with pytest.raises(RankRefused) as refused:
+            config_for("--model", str(ckpt), *argv)
+        assert refused.value.code == EXIT_BAD_INPUT
+    # The socket takes the given name: no driver is asked (none is here).
+    held = rank.claim_socket(config_for("--model", str(ckpt), "--device", "cuda",
+                                        "--device-uuid", raw,
+                                        "--weight-cache-socket-dir", str(sock_dir)))
+    try:
+        assert held.path == sock_dir / f"{canonical}.sock"
+        assert Path(f"{held.path}.lock").exists()
+    finally:
+        held.lock.release()
+
+
 def test_read_input_refuses_a_bad_checkpoint_or_rule(ckpt, tmp_path):
     with pytest.raises(RankRefused) as refused:
         rank.read_input(config_for("--model", str(tmp_path / "missing")))
@@ -74,6 +99,9 @@ def test_the_phase_clock_times_each_phase_in_order():
     clock.mark("cuda_init_seconds")
     assert list(clock.phases) == ["startup_seconds", "cuda_init_seconds"]
     assert all(v >= 0 for v in clock.phases.values())
+    clock.stamp("exec", 12.5)
+    clock.stamp("locked")
+    assert clock.marks["exec"] == 12.5 and clock.marks["locked"] > 12.5  # time.monotonic()
 
 
 def test_plan_refuses_rules_that_do_not_divide(ckpt):

@@ -319,6 +319,7 @@ class Launcher:
         cmd = [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
                "--device", device or DEVICE, "--weight-cache-socket-dir", str(sockdir)]
         self.t0 = time.perf_counter()
+        self.spawned_at = time.monotonic()  # the clock of READY's `marks`
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
         sampler = StartWaits(self.proc.pid, self.t0) if waits else None
@@ -352,7 +353,8 @@ class Launcher:
     def summary(self) -> dict[str, Any]:
         progress = [ln for ln in self.stderr if ln.startswith("preload ")]
         return {"wall_to_ready_s": round(self.wall, 3), "ready": self.ready,
-                "progress_lines": progress[:3] + progress[-2:]}
+                "progress_lines": progress[:3] + progress[-2:],
+                "start_marks": start_marks(self.ready, self.spawned_at)}
 
     def stop(self) -> None:
         g.stop_process(self.proc)
@@ -799,6 +801,27 @@ def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
     return {**phases, "outside_rank_seconds": round(ready["seconds"] - covered, 4)}
 
 
+def start_marks(ready: dict[str, Any] | None, spawned_at: float) -> dict[str, float]:
+    """When, in seconds from the launcher's spawn, READY's start passed each step, in order:
+    the launcher's (`launcher_*`), its first rank's (`exec`, `run`, `input`, `locked`,
+    `early_started`, `imported`, `serving`), the import set's read-ahead (`prefetch_*`) and
+    the early reads' first read asked for and landed (`early_first_*`). Up to
+    `early_first_landed` the disk read nothing of the checkpoint: that is READY's lead over
+    the device read. All are `time.monotonic()` readings of one clock (READY's `marks`)."""
+    if not ready:
+        return {}
+    rank = _rank0(ready)
+    found = {f"launcher_{k}": v for k, v in (ready.get("marks") or {}).items()}
+    found.update(rank.get("marks") or {})
+    for key, name in (("started_at", "prefetch_started"), ("done_at", "prefetch_done")):
+        found[name] = (rank.get("import_prefetch") or {}).get(key)
+    for key, name in (("first_read_at", "early_first_read"),
+                      ("first_landed_at", "early_first_landed")):
+        found[name] = (rank.get("early") or {}).get(key)
+    return dict(sorted(((k, round(v - spawned_at, 4)) for k, v in found.items()
+                        if isinstance(v, (int, float))), key=lambda kv: kv[1]))
+
+
 def _early(ready: dict[str, Any]) -> dict[str, Any] | None:
     """What the (first) rank read while it started, and how much of it the fill took."""
     return _rank0(ready).get("early")
@@ -857,6 +880,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
         s["preload_cold_disk"] = _disk(pc)
         s["preload_cold_start_waits"] = _start_waits(_get(r, "preload_cold", "waits"))
+        s["preload_cold_start_marks"] = _get(r, "preload_cold", "start_marks")
+        s["preload_cold_wall_to_ready_s"] = _get(r, "preload_cold", "wall_to_ready_s")
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
@@ -870,6 +895,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             s[f"{key}_disk"] = _disk(pp)
             s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
             s[f"{key}_start_waits"] = _start_waits(_get(r, key, "waits"))
+            s[f"{key}_start_marks"] = _get(r, key, "start_marks")
+            s[f"{key}_wall_to_ready_s"] = _get(r, key, "wall_to_ready_s")
             if (lost := _disk_short(_get(r, key, "disk_timeline"), r)) is not None:
                 s[f"{key}_disk_short_s"] = lost
             # The fresh processes start with every cache dropped: against those READYs only.

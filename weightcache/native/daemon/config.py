@@ -20,6 +20,7 @@ from weightcache.contracts.vocabulary import (
 from weightcache.errors import ProjectError
 
 from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_rules
+from ..shared.gpu import GpuError, normalize_uuid
 
 # Test hook: hold the shard loaded but unbound for this long, to observe the loading window.
 BIND_DELAY_ENV = "WEIGHTCACHE_DEBUG_BIND_DELAY_S"
@@ -50,6 +51,9 @@ class RankConfig:
     allowed_uids: tuple[int, ...]  # besides our own
     parent_pid: int | None
     local_ranks: int = 1  # ranks the launcher runs on this node: they share the early reads' memory
+    # The launcher's word for this device's UUID: the socket's name and lock before the rank's
+    # own CUDA start, checked against the device once it has a context (loading.open_device).
+    device_uuid: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RankConfig:
@@ -62,13 +66,21 @@ class RankConfig:
         if index < 0 or global_rank < 0 or args.dp_rank < 0:
             raise RankRefused(f"bad device index {index} / global rank {global_rank} / dp rank "
                               f"{args.dp_rank}")
+        device_uuid = None
+        if args.device_uuid is not None:
+            try:
+                device_uuid = normalize_uuid(args.device_uuid)
+            except GpuError:
+                raise RankRefused(f"--device-uuid {args.device_uuid!r}: not a GPU UUID") from None
+            if args.device != "cuda":
+                raise RankRefused("--device-uuid names a GPU: it needs --device cuda")
         return cls(
             model=args.model, tp_size=tp, tp_rank=rank, global_rank=global_rank,
             dp_rank=args.dp_rank, device=args.device, device_index=index,
             socket_dir=args.weight_cache_socket_dir, shard_rules=shard_rules(args),
             dtype=args.dtype, role=canonical_role(args.role), transport=args.transport,
             allowed_uids=tuple(args.allow_uid), parent_pid=args.parent_pid,
-            local_ranks=max(1, args.local_ranks),
+            local_ranks=max(1, args.local_ranks), device_uuid=device_uuid,
         )
 
 
@@ -86,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--device-index", type=int, default=None)
+    p.add_argument("--device-uuid", default=None,
+                   help="the device's UUID as the launcher's driver query gave it")
     p.add_argument("--weight-cache-socket-dir", default=None)
     p.add_argument("--role", choices=(*ROLES, *ROLE_ALIASES), default=ROLE_TARGET)
     p.add_argument("--transport", default=None)

@@ -30,8 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.cliformat import HelpFormatter
 from weightcache.contracts.layout import Layout, LocalRank, RankLayoutError
@@ -42,11 +41,14 @@ from ..shared.checkpoint import CheckpointError, open_checkpoint, tied_aliases
 from ..shared.connection import query
 from ..shared.errors import WeightCacheError
 from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_argv, shard_rules
-from ..shared.gpu import visible_device_count
+from ..shared.gpu import visible_device_uuids
 from ..shared.security import SecurityError, prepare_socket_dir
 from ..shared.sharding import ShardingError, parse_rules, plan_shard
 from .lifetime import python_module, request_parent_death_signal
 from .progress import ProgressPrinter
+
+if TYPE_CHECKING:  # imported by _health_server: 25 ms (ssl, email) a start without it skips
+    from http.server import ThreadingHTTPServer
 
 log = logging.getLogger("weightcache.preload")
 
@@ -139,6 +141,8 @@ def _liveness(ranks: list[Rank], stop: threading.Event) -> None:
 
 
 def _health_server(host: str, port: int, ranks: list[Rank]) -> ThreadingHTTPServer:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.split("?")[0] not in ("/health", "/healthz"):
@@ -196,10 +200,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device_count(kind: str) -> int:
-    if kind == "cuda":
-        return visible_device_count()  # torch-free: the ranks import torch themselves
-    return os.cpu_count() or 1
+class _Devices:
+    """The devices this launcher may place ranks on, asked on a thread from its first moment.
+
+    On CUDA that is the driver's start (`cuInit`), which overlaps reading the checkpoint's
+    headers instead of adding to them; each rank is then handed its device's UUID
+    (`--device-uuid`) and starts its early reads without a `cuInit` of its own in front
+    (gpu.visible_device_uuids). Torch-free: the ranks import torch themselves.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.uuids: list[str] | None = None
+        self._count = 0
+        self._thread: threading.Thread | None = None
+        if kind == "cuda":
+            self._thread = threading.Thread(target=self._ask, name="devices", daemon=True)
+            self._thread.start()
+        else:
+            self._count = os.cpu_count() or 1
+
+    def _ask(self) -> None:
+        self.uuids = visible_device_uuids()
+        if self.uuids is None:  # no cuda-python or no driver: torch's count, as before
+            import torch
+
+            self._count = torch.cuda.device_count()
+        else:
+            self._count = len(self.uuids)
+
+    def count(self) -> int:
+        if self._thread is not None:
+            self._thread.join()
+        return self._count
+
+    def uuid(self, index: int) -> str | None:
+        """Device `index`'s UUID (None on CPU, or where the driver could not be asked)."""
+        self.count()
+        return self.uuids[index] if self.uuids is not None and index < len(self.uuids) else None
 
 
 class PreloadRefused(ProjectError):
@@ -210,7 +248,7 @@ class PreloadRefused(ProjectError):
         self.code = code
 
 
-def _validate(args: argparse.Namespace) -> list[LocalRank]:
+def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
     """Everything that would make a rank fail on input, checked once for all ranks; the ranks
     this launcher serves, or PreloadRefused.
 
@@ -223,8 +261,24 @@ def _validate(args: argparse.Namespace) -> list[LocalRank]:
         placements = layout.local_ranks()
     except RankLayoutError as exc:
         raise PreloadRefused(str(exc)) from None
-    devices = _device_count(args.device)
-    local = len(placements)
+    try:
+        _check_model(args, tp)  # while the driver starts on the devices' thread
+    except PreloadRefused:
+        _check_devices(args, layout, len(placements), found)  # the layout's refusal first
+        raise
+    _check_devices(args, layout, len(placements), found)
+    try:
+        prepare_socket_dir(args.weight_cache_socket_dir)
+    except (SecurityError, OSError) as exc:
+        raise PreloadRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
+    return placements
+
+
+def _check_devices(args: argparse.Namespace, layout: Layout, local: int, found: _Devices
+                   ) -> None:
+    """This node has a device for each of its `local` ranks (PreloadRefused if not)."""
+    tp = args.tensor_parallel_size
+    devices = found.count()
     if args.device == "cuda" and devices == 0:
         raise PreloadRefused(
             "--device cuda: no CUDA device is visible here (torch.cuda.device_count() is 0);"
@@ -235,12 +289,6 @@ def _validate(args: argparse.Namespace) -> list[LocalRank]:
     if local > devices:
         raise PreloadRefused(f"{layout.describe()}: this node would serve {local} local ranks, "
                              f"more than the {devices} {args.device} device(s) here")
-    _check_model(args, tp)
-    try:
-        prepare_socket_dir(args.weight_cache_socket_dir)
-    except (SecurityError, OSError) as exc:
-        raise PreloadRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
-    return placements
 
 
 def _check_model(args: argparse.Namespace, tp: int) -> None:
@@ -264,10 +312,11 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
 
 
 # What READY carries of each rank's SERVING line (docs/native.md, "READY").
-RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early", "import_prefetch")
+RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early", "import_prefetch", "marks")
 
 
-def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1) -> list[str]:
+def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1,
+              device_uuid: str | None = None) -> list[str]:
     cmd = [
         *python_module("weightcache.native.daemon"),
         *shard_argv(args.model, args.tensor_parallel_size, args.dtype, shard_rules(args)),
@@ -285,6 +334,8 @@ def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1) 
         cmd += ["--weight-cache-allow-uid", str(uid)]
     if args.transport:
         cmd += ["--transport", args.transport]
+    if device_uuid is not None:
+        cmd += ["--device-uuid", device_uuid]
     return cmd
 
 
@@ -339,10 +390,12 @@ def _emit(line: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    started = time.monotonic()  # READY's seconds count the checks too
     args = build_parser().parse_args(argv)
+    found = _Devices(args.device)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
     try:
-        placements = _validate(args)
+        placements = _validate(args, found)
     except KeyboardInterrupt:  # Ctrl-C before anything started: nothing to clean up
         return 130
     except PreloadRefused as exc:
@@ -363,7 +416,7 @@ def main(argv: list[str]) -> int:
 
     ranks: list[Rank] = []
     health: ThreadingHTTPServer | None = None
-    started = time.monotonic()
+    marks = {"main": started, "validated": time.monotonic()}
     try:
         if args.weight_cache_health_port is not None:
             try:
@@ -376,12 +429,14 @@ def main(argv: list[str]) -> int:
             host, port = health.server_address[:2]
             _emit("HEALTH " + json.dumps({"url": f"http://{host}:{port}/health"}))
         for place in placements:
-            proc = subprocess.Popen(_rank_cmd(args, place, len(placements)),
+            proc = subprocess.Popen(_rank_cmd(args, place, len(placements),
+                                              found.uuid(place.local)),
                                     stdout=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL)
             r = Rank(place, proc)
             ranks.append(r)
             threading.Thread(target=_reader, args=(r,), daemon=True).start()
+        marks["spawned"] = time.monotonic()
         threading.Thread(target=_liveness, args=(ranks, stop), daemon=True,
                          name="liveness").start()
         announced = False
@@ -419,6 +474,7 @@ def main(argv: list[str]) -> int:
                     "global_ranks": [r.place.global_rank for r in ranks],
                     "tp_ranks": [r.place.tp_rank for r in ranks],
                     "dp_ranks": [r.place.dp_rank for r in ranks],
+                    "marks": marks,
                 }))
             stop.wait(0.05)
         log.info("signal %s: stopping %d rank(s)", received[0] if received else "?", len(ranks))

@@ -24,6 +24,7 @@ from ..shared import content as content_mod
 from ..shared.checkpoint import Checkpoint
 from ..shared.coldload import LoadStats
 from ..shared.earlyread import EarlyReads
+from ..shared.identity import device_identity
 from ..shared.loader import ArenaLayout, load_into_arena
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
@@ -101,8 +102,23 @@ def open_device(config: RankConfig, clock: PhaseClock) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.empty(0, device=device)  # the CUDA context, timed on its own
+        check_device_uuid(config)
     clock.mark("cuda_init_seconds")
     return device
+
+
+def check_device_uuid(config: RankConfig) -> None:
+    """The UUID the launcher gave (`--device-uuid`, the socket's name and lock) must be this
+    rank's device: checked before a byte is served, since the socket is found by that name.
+    A mismatch (an environment that changed between the launcher and the rank) stops the
+    rank; the launcher then stops every rank with its exit code."""
+    if config.device_uuid is None:
+        return
+    actual = device_identity(config.device, config.device_index)
+    if actual != config.device_uuid:
+        raise RankRefused(f"device {config.device_index} is {actual}, not {config.device_uuid} as "
+                          "the launcher found it; refusing to serve under the wrong name",
+                          EXIT_ERROR)
 
 
 def plan(config: RankConfig, ckpt: Checkpoint,

@@ -147,10 +147,17 @@ class Ticker:
 
 
 class PhaseClock:
-    """Seconds spent in each named phase of a rank's start, in order (READY's `phases`)."""
+    """Seconds spent in each named phase of a rank's start, in order (READY's `phases`), and
+    the moments its start passed named steps (READY's `marks`).
+
+    The marks are `time.monotonic()` readings: CLOCK_MONOTONIC is one clock for every process
+    of the node, so the launcher's marks and a benchmark's spawn of the launcher line up with
+    them, and the time before the first byte read can be taken apart across processes.
+    """
 
     def __init__(self, started: float | None = None) -> None:
         self.phases: dict[str, float] = {}
+        self.marks: dict[str, float] = {}
         self._mark = time.monotonic() if started is None else started
 
     def mark(self, name: str) -> None:
@@ -158,6 +165,10 @@ class PhaseClock:
         now = time.monotonic()
         self.phases[name] = round(now - self._mark, 4)
         self._mark = now
+
+    def stamp(self, name: str, at: float | None = None) -> None:
+        """The start passed step `name` now (or `at`)."""
+        self.marks[name] = time.monotonic() if at is None else at
 
 
 def emit(line: str) -> None:

@@ -118,20 +118,27 @@ class _Held:
 
 
 def run(config: RankConfig,
-        prefetch: tuple[Path | None, importset.Prefetch | None] | None = None) -> int:
+        prefetch: tuple[Path | None, importset.Prefetch | None] | None = None,
+        exec_at: float | None = None) -> int:
     """Check input, take the lock, then (and only then) import torch, load, bind, serve.
 
     Taking the lock before importing torch makes a second daemon for the same device fail
     in a fraction of a second. `prefetch`: the import set's read-ahead, if the process
-    started it before importing this module (`__main__`); else it starts here.
+    started it before importing this module (`__main__`); else it starts here. `exec_at`:
+    when `__main__` began (READY's `marks`).
     """
     clock = PhaseClock()
+    if exec_at is not None:
+        clock.stamp("exec", exec_at)
+    clock.stamp("run")
     if config.parent_pid is not None:  # the launcher: its faults are this start's own
         diskshare.count_as_own(config.parent_pid)
     _Serving.abandon = False  # a stop signal from here waits until `held` owns the lock
     try:
         ckpt, rules = read_input(config)
+        clock.stamp("input")
         held = claim_socket(config)
+        clock.stamp("locked")
     except RankRefused as exc:
         log.error("%s", exc)
         if prefetch is not None and prefetch[1] is not None:
@@ -145,9 +152,12 @@ def run(config: RankConfig,
         # What the last start read: read it ahead, in large reads.
         set_file, held.prefetch = prefetch or importset.start_prefetch()
         held.early = start_early_reads(config, ckpt, held.prefetch)
+        clock.stamp("early_started")
         if held.prefetch is not None:
             held.prefetch.wait_for_import(PREFETCH_WAIT_S)
         from . import loading, server  # torch: only now that this rank holds its lock
+
+        clock.stamp("imported")
 
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
         held.server = server.serve_shard(held.shard, config, rules, ckpt)
@@ -194,7 +204,10 @@ def claim_socket(config: RankConfig) -> _Held:
         sock_dir = prepare_socket_dir(config.socket_dir)
     except (SecurityError, OSError) as exc:
         raise RankRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
-    path = socket_path(sock_dir, device_identity(config.device, config.device_index), config.role)
+    # The launcher's UUID where it gave one (no cuInit of our own in front of the early
+    # reads); checked against the device once its context exists (loading.open_device).
+    identity = config.device_uuid or device_identity(config.device, config.device_index)
+    path = socket_path(sock_dir, identity, config.role)
     lock = SocketLock(path)
     try:
         lock.acquire()
@@ -258,6 +271,7 @@ def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClo
              prefetch: importset.Prefetch | None = None) -> None:
     """The `SERVING {json}` line the launcher waits for."""
     layout, seconds = shard.layout, shard.load_seconds
+    clock.stamp("serving")
     emit("SERVING " + json.dumps({
         "rank": config.tp_rank,
         "global_rank": config.global_rank,
@@ -270,6 +284,7 @@ def announce(config: RankConfig, shard: LoadedShard, path: Path, clock: PhaseClo
         "load_seconds": round(seconds, 4),
         "load_gb_per_s": float(f"{layout.nbytes / seconds / 1e9:.4g}") if seconds > 0 else None,
         "phases": clock.phases,
+        "marks": clock.marks,
         "early": shard.early,
         "import_prefetch": prefetch.stats() if prefetch is not None else None,
         "loader": shard.loader.as_dict() if shard.loader is not None else None,
@@ -306,8 +321,9 @@ def _die_with_parent(parent_pid: int | None) -> None:
 
 
 def main(argv: list[str] | None = None,
-         prefetch: tuple[Path | None, importset.Prefetch | None] | None = None) -> int:
-    """The rank's process; `prefetch` as `run` takes it."""
+         prefetch: tuple[Path | None, importset.Prefetch | None] | None = None,
+         exec_at: float | None = None) -> int:
+    """The rank's process; `prefetch` and `exec_at` as `run` takes them."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -323,7 +339,7 @@ def main(argv: list[str] | None = None,
         return EXIT_BAD_INPUT
     try:
         _die_with_parent(config.parent_pid)
-        return run(config, prefetch)
+        return run(config, prefetch, exec_at)
     except Stop:
         return EXIT_OK
 

@@ -163,6 +163,10 @@ class EarlyReads:
         self.idle_io = False
         self.started = self.seconds = 0.0
         self.waited: float | None = None  # seconds the first reader waited for `after`
+        # When (time.monotonic(), one clock for every process of the node: READY's `marks`) the
+        # first read was asked for and the first landed: the start's disk-idle time ends here.
+        self.first_read_at: float | None = None
+        self.first_landed_at: float | None = None
         used = 0
         try:
             for path in sorted(Path(p) for p in files):
@@ -228,6 +232,8 @@ class EarlyReads:
                     if self.idle_io and not loadenv.idle():
                         normal_io_priority()
                 ok = False
+                if self.first_read_at is None:
+                    self.first_read_at = time.monotonic()  # a race between readers moves it µs
                 try:
                     ok = self._read(job, direct_fds)
                 finally:  # never left "reading": the fill may be waiting for it (`take`)
@@ -274,6 +280,8 @@ class EarlyReads:
         if got < n:
             return False  # shorter than it was: the fill finds out and says so
         with self._lock:
+            if self.first_landed_at is None:
+                self.first_landed_at = time.monotonic()
             self.read_bytes += n
             if direct:
                 self.direct_bytes += n
@@ -306,7 +314,8 @@ class EarlyReads:
                 "resident_bytes": self.resident_bytes, "idle_io": self.idle_io,
                 "seconds": round(self.seconds, 3), "waited_seconds": self.waited,
                 "after_accept_bytes": self.after_accept_bytes,
-                "claimed_bytes": self.claimed_bytes, "beside_fill": self.beside}
+                "claimed_bytes": self.claimed_bytes, "beside_fill": self.beside,
+                "first_read_at": self.first_read_at, "first_landed_at": self.first_landed_at}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
         """The fill starts: only the jobs of files it opened as the same, unchanged file are

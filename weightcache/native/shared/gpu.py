@@ -71,17 +71,34 @@ def visible_device_count() -> int:
     The launcher checks the layout before starting ranks; importing torch for that cost it
     ~5 s on the H200 VM, which every rank then paid again for its own import.
     """
-    try:
-        cu = _driver()
-        if int(cu.cuInit(0)[0]) == 0:
-            err, count = cu.cuDeviceGetCount()
-            if int(err) == 0:
-                return int(count)
-    except Exception:  # no cuda-python, or no driver: ask torch as before
-        pass
+    found = visible_device_uuids()
+    if found is not None:
+        return len(found)
     import torch  # only without cuda-python: the agent and launcher import this torch-free
 
     return torch.cuda.device_count()
+
+
+def visible_device_uuids() -> list[str] | None:
+    """The UUID of each CUDA device this process sees, by index, from the driver (torch-free);
+    None without cuda-python or a working driver.
+
+    The launcher asks once and hands each rank its device's UUID (`--device-uuid`), so the
+    rank names its socket, takes its lock and starts its early reads without its own
+    `cuInit` in front of them; the rank checks the UUID against its device once its CUDA
+    context exists (`daemon/loading.py`). Each entry is what `device_uuid(index)` gives in a
+    process with the same CUDA_VISIBLE_DEVICES.
+    """
+    try:
+        cu = _driver()
+        if int(cu.cuInit(0)[0]) != 0:
+            return None
+        err, count = cu.cuDeviceGetCount()
+        if int(err) != 0:
+            return None
+        return [_driver_uuid(i) for i in range(int(count))]
+    except Exception:  # no cuda-python, or no driver
+        return None
 
 
 def _torch_uuid(index: int) -> str | None:
