@@ -68,9 +68,13 @@ def serve_rank(path: str, nbytes: int) -> None:
     if os.path.exists(path):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    os.chmod(path, 0o600)
+    # Bound and listening under a temporary name, then renamed into place: a client that sees
+    # the path can connect (between bind and listen it was refused, a flaky test).
+    staging = f"{path}.{os.getpid()}"
+    server.bind(staging)
+    os.chmod(staging, 0o600)
     server.listen()
+    os.rename(staging, path)
     while True:
         conn, _ = server.accept()
         try:

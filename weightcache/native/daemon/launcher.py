@@ -62,8 +62,10 @@ LIVENESS_FAILURES = 2
 
 
 class Rank:
-    def __init__(self, place: LocalRank, proc: subprocess.Popen) -> None:
+    def __init__(self, place: LocalRank, proc: subprocess.Popen,
+                 wake: threading.Event | None = None) -> None:
         self.place = place
+        self.wake = wake or threading.Event()  # set when it serves or its output ends
         self.rank = place.global_rank
         self.proc = proc
         self.info: dict[str, Any] | None = None
@@ -104,11 +106,13 @@ def _reader(rank: Rank) -> None:
             except ValueError:
                 rank.info = {}
             rank.serving.set()
+            rank.wake.set()  # READY without the main loop's poll interval in front
         elif line.startswith("LOADING "):
             with contextlib.suppress(ValueError):
                 rank.loading = json.loads(line[len("LOADING ") :])
         else:
             sys.stderr.write(f"[rank {rank.rank}] {line}")
+    rank.wake.set()  # its stdout closed: it is exiting
 
 
 def _answers(path: str, timeout: float) -> bool:
@@ -403,11 +407,13 @@ def main(argv: list[str]) -> int:
         return exc.code
 
     stop = threading.Event()
+    wake = threading.Event()  # the main loop looks again now (ranks, signals)
     received: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
+        # Only this: an Event's lock is not reentrant, and a handler runs in the main thread
+        # between any two bytecodes, perhaps inside that lock. The loop sees it within 0.05 s.
         received.append(signum)
-        stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -433,7 +439,7 @@ def main(argv: list[str]) -> int:
                                               found.uuid(place.local)),
                                     stdout=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL)
-            r = Rank(place, proc)
+            r = Rank(place, proc, wake)
             ranks.append(r)
             threading.Thread(target=_reader, args=(r,), daemon=True).start()
         marks["spawned"] = time.monotonic()
@@ -442,10 +448,10 @@ def main(argv: list[str]) -> int:
         announced = False
         printer = ProgressPrinter(sys.stderr, f"preload {os.path.basename(args.model.rstrip('/'))}",
                                   interval=_progress_interval())
-        while not stop.is_set():
+        while not received:
             for r in ranks:
                 code = r.proc.poll()
-                if code is not None and stop.is_set():
+                if code is not None and received:
                     break  # a Ctrl-C reached the rank too (same process group): a clean stop
                 if code is not None:
                     phase = "serving" if announced else "start-up"
@@ -476,7 +482,9 @@ def main(argv: list[str]) -> int:
                     "dp_ranks": [r.place.dp_rank for r in ranks],
                     "marks": marks,
                 }))
-            stop.wait(0.05)
+            wake.wait(0.05)  # a rank's SERVING line or exit, or the next look
+            wake.clear()
+        stop.set()
         log.info("signal %s: stopping %d rank(s)", received[0] if received else "?", len(ranks))
         _stop_all(ranks)
         return 0
