@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import struct
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,6 +98,45 @@ class TinyLlama(nn.Module):
         self.model.norm = nn.LayerNorm(s.hidden, bias=False)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
+
+
+def _sockets_open() -> int:
+    """Unix and other sockets this test process holds open (its /proc fd links)."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += (fds / fd.name).readlink().name.startswith("socket:")
+        except OSError:
+            continue
+    return count
+
+
+def test_the_hello_goes_before_the_plan_and_no_connection_outlives_an_attach(
+        served, ckpt, monkeypatch):
+    """The daemon's hello is sent before the plan (`_Hello`); whatever the attach then does
+    (serves, fails its plan, or finds the early connection too old to use), it leaves no
+    connection open, and a too-old one is replaced by a fresh one, still from the cache."""
+    sockets, _ = served
+    ref = reference(ckpt)
+    attach(ckpt, socket_dir=sockets, fallback=False)  # lazy imports, the plan kept
+    before = _sockets_open()
+    for mode in ("zero_copy", "copy"):
+        res = attach(ckpt, socket_dir=sockets, mode=mode, fallback=False)
+        assert res.source == "cache"
+        assert_matches(res.state_dict, ref)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)  # a socket left to the collector
+        with pytest.raises(ValueError, match="REGEX=DIM"):  # a bad rule: refused planning
+            attach(ckpt, socket_dir=sockets, shard_rules=["nodim"], fallback=False)
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+    assert _sockets_open() == before
+    monkeypatch.setattr(client, "REQUEST_DEADLINE_S", 0.0)  # every early hello is too old
+    res = attach(ckpt, socket_dir=sockets, mode="copy", fallback=False)
+    assert res.source == "cache"
+    assert_matches(res.state_dict, ref)
+    assert _sockets_open() == before
 
 
 def test_materialize_keeps_tied_weights_tied(served, ckpt):
