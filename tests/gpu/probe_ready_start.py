@@ -50,6 +50,9 @@ def _row(variant: str, ready: dict[str, Any], load: Any) -> dict[str, Any]:
             "ready_seconds": r.get("seconds"), "phases": rank.get("phases"),
             "early_bytes": early.get("read_bytes"),
             "marks": ready.get("start_marks"),
+            "import_prefetch": {k: (rank.get("import_prefetch") or {}).get(k)
+                                for k in ("files", "bytes", "checked_only", "seconds")},
+            "gentle_s": ((rank.get("loader") or {}).get("disk") or {}).get("gentle_seconds"),
             "disk_first_s": [row[:2] for row in disk[:6]]}
 
 
@@ -82,6 +85,7 @@ def main() -> int:
         variants["base"] = {
             "WEIGHTCACHE_IMPORT_SET": str(work / "import-set-base.json"),
             "PYTHONPATH": base + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    os.chdir(work)  # `python -m` puts the working directory first: no tree may win by it
     load.drop(files)
     out["direct_cold_s"] = g.raw_read_rate(files, 32, True).get("seconds")
     print(json.dumps({"direct_cold_s": out["direct_cold_s"], **out["checkpoint"]}), flush=True)

@@ -441,22 +441,25 @@ def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | N
             summary["disk_timeline"] = disk
         if launcher.waits is not None:
             summary["waits"] = launcher.waits
-        _wait_for_import_set()
+        _wait_for_import_set(env)
         return summary
     finally:
         launcher.stop()
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
-def _import_set() -> Path | None:
-    value = os.environ.get("WEIGHTCACHE_IMPORT_SET")
+def _import_set(env: dict[str, str] | None = None) -> Path | None:
+    value = (env or {}).get("WEIGHTCACHE_IMPORT_SET") or os.environ.get("WEIGHTCACHE_IMPORT_SET")
     return Path(value) if value and value != "off" else None
 
 
-def _wait_for_import_set(timeout_s: float = 10.0) -> None:
+def _wait_for_import_set(env: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
     """A rank writes its import set just after READY; a daemon that lives on always gets
-    there, a benchmark's is stopped at once: give it the moment it needs."""
-    path = _import_set()
+    there, a benchmark's is stopped at once: give it the moment it needs (the set the READY's
+    own `env` named, else this process's). Waiting on another path than the rank's let a
+    probe stop every rank before it wrote its set (2026-12-05: each READY then started as a
+    node's first)."""
+    path = _import_set(env)
     deadline = time.monotonic() + timeout_s
     while path is not None and not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
