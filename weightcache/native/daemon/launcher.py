@@ -214,7 +214,6 @@ class _Devices:
     """
 
     def __init__(self, kind: str) -> None:
-        self.kind = kind
         self.uuids: list[str] | None = None
         self._count = 0
         self._thread: threading.Thread | None = None

@@ -65,23 +65,12 @@ def _driver():
     return driver
 
 
-def visible_device_count() -> int:
-    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied), without torch.
-
-    The launcher checks the layout before starting ranks; importing torch for that cost it
-    ~5 s on the H200 VM, which every rank then paid again for its own import.
-    """
-    found = visible_device_uuids()
-    if found is not None:
-        return len(found)
-    import torch  # only without cuda-python: the agent and launcher import this torch-free
-
-    return torch.cuda.device_count()
-
-
 def visible_device_uuids() -> list[str] | None:
-    """The UUID of each CUDA device this process sees, by index, from the driver (torch-free);
-    None without cuda-python or a working driver.
+    """The UUID of each CUDA device this process sees (CUDA_VISIBLE_DEVICES applied), by index,
+    from the driver, without torch; None without cuda-python or a working driver.
+
+    The launcher checks the layout against the devices before starting ranks; importing torch
+    for that cost it ~5 s on the H200 VM, which every rank then paid again for its own import.
 
     The launcher asks once and hands each rank its device's UUID (`--device-uuid`), so the
     rank names its socket, takes its lock and starts its early reads without its own
