@@ -113,11 +113,13 @@ def _sockets_open() -> int:
 
 
 def test_the_hello_goes_before_the_plan_and_no_connection_outlives_an_attach(
-        served, ckpt, monkeypatch):
+        ckpt, sock_dir, preload, monkeypatch):
     """The daemon's hello is sent before the plan (`_Hello`); whatever the attach then does
     (serves, fails its plan, or finds the early connection too old to use), it leaves no
-    connection open, and a too-old one is replaced by a fresh one, still from the cache."""
-    sockets, _ = served
+    connection open, and a too-old one is replaced by a fresh one, still from the cache.
+    A daemon of its own: the shared one's request counts are other tests' to assert on."""
+    preload("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    sockets = sock_dir
     ref = reference(ckpt)
     attach(ckpt, socket_dir=sockets, fallback=False)  # lazy imports, the plan kept
     before = _sockets_open()
