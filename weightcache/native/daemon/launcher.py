@@ -62,10 +62,9 @@ LIVENESS_FAILURES = 2
 
 
 class Rank:
-    def __init__(self, place: LocalRank, proc: subprocess.Popen,
-                 wake: threading.Event | None = None) -> None:
+    def __init__(self, place: LocalRank, proc: subprocess.Popen, wake: threading.Event) -> None:
         self.place = place
-        self.wake = wake or threading.Event()  # set when it serves or its output ends
+        self.wake = wake  # the launcher's: set when this rank serves or its output ends
         self.rank = place.global_rank
         self.proc = proc
         self.info: dict[str, Any] | None = None
@@ -266,10 +265,8 @@ def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
         raise PreloadRefused(str(exc)) from None
     try:
         _check_model(args, tp)  # while the driver starts on the devices' thread
-    except PreloadRefused:
-        _check_devices(args, layout, len(placements), found)  # the layout's refusal first
-        raise
-    _check_devices(args, layout, len(placements), found)
+    finally:  # a device shortfall is reported before a bad header, as it always was
+        _check_devices(args, layout, len(placements), found)
     try:
         prepare_socket_dir(args.weight_cache_socket_dir)
     except (SecurityError, OSError) as exc:

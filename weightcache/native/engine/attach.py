@@ -835,11 +835,11 @@ def _attach(
         )
     phases["plan"] = time.perf_counter() - t_plan
     plan: ExpectedShard | None = spec if isinstance(spec, ExpectedShard) else None
-    path: Path | None = None
+    # Found before the plan (`_early_path`: the same socket_path, or directory and identity);
+    # resolved again here only to raise its error where it could not be.
+    path: Path | None = early.path
     try:
-        if socket_path is not None:
-            path = Path(socket_path)
-        else:
+        if path is None:
             try:
                 directory = resolve_socket_dir(socket_dir)
             except FileNotFoundError as exc:

@@ -399,6 +399,24 @@ def _ahead(fd: int, start: int, end: int) -> None:
             os.posix_fadvise(fd, pos, min(AHEAD_BYTES, end - pos), os.POSIX_FADV_WILLNEED)
 
 
+def _open_recorded(f: dict[str, Any]) -> tuple[int, list[tuple[int, int]]] | None:
+    """A descriptor of the set's file `f` and its recorded ranges within its size, if it is
+    still the regular file recorded (size and mtime); None if not. The caller closes it."""
+    try:
+        fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and _identity(st) == f["identity"]:
+            return fd, [(start, min(end, st.st_size)) for start, end in f["ranges"]
+                        if start < min(end, st.st_size)]
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class Prefetch:
     """Read an import set into the page cache (THREADS readers, or PLAIN_THREADS when not
     `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
@@ -450,13 +468,11 @@ class Prefetch:
             try:
                 self._read_all()
             except Exception:  # no reader could start: done, with nothing read
-                self._seconds = time.monotonic() - self._started
-                self._finish()
+                self._end()
             return
         with self._lock:
             self._resident, self._files_read, self.checked_only = held, len(self.files), True
-        self._seconds = time.monotonic() - self._started
-        self._finish()
+        self._end()
 
     def _resident_whole(self) -> int | None:
         """The set's bytes if every file of it is unchanged and held whole by the page cache;
@@ -472,20 +488,15 @@ class Prefetch:
                 except OSError:
                     return None
                 continue
-            try:
-                fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            except OSError:
+            opened = _open_recorded(f)
+            if opened is None:
                 return None
+            fd, ranges = opened
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or _identity(st) != f["identity"]:
-                    return None
-                for start, end in f["ranges"]:
-                    end = min(end, st.st_size)
-                    if start < end:
-                        if not resident(fd, start, end - start):
-                            return None
-                        held += end - start
+                for start, end in ranges:
+                    if not resident(fd, start, end - start):
+                        return None
+                    held += end - start
             finally:
                 os.close(fd)
         return held
@@ -506,11 +517,12 @@ class Prefetch:
                     continue
                 self._one(f, memoryview(buf))
 
-        def last() -> None:
-            self._seconds = time.monotonic() - self._started
-            self._finish()
+        Pool(worker, count, "weightcache-prefetch", daemon=True, on_last=self._end).start()
 
-        Pool(worker, count, "weightcache-prefetch", daemon=True, on_last=last).start()
+    def _end(self) -> None:
+        """Done now: how long it took, then `done` and the callbacks."""
+        self._seconds = time.monotonic() - self._started
+        self._finish()
 
     def _finish(self) -> None:
         with self._lock:
@@ -541,22 +553,15 @@ class Prefetch:
         if f.get("list"):
             self._list(f["path"])
             return
-        try:
-            fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
+        opened = _open_recorded(f)
+        if opened is None:
             self._count(unread=1)
             return
+        fd, ranges = opened
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or _identity(st) != f["identity"]:
-                self._count(unread=1)
-                return
             got = held = 0
             missing = []
-            for start, end in f["ranges"]:
-                pos, end = start, min(end, st.st_size)
-                if pos >= end:
-                    continue
+            for pos, end in ranges:
                 if resident(fd, pos, end - pos):
                     held += end - pos  # in memory already: nothing to read (module doc)
                     continue
