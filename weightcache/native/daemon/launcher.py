@@ -265,8 +265,10 @@ def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
         raise PreloadRefused(str(exc)) from None
     try:
         _check_model(args, tp)  # while the driver starts on the devices' thread
-    finally:  # a device shortfall is reported before a bad header, as it always was
+    except PreloadRefused:  # a device shortfall is reported before a bad header, as before
         _check_devices(args, layout, len(placements), found)
+        raise
+    _check_devices(args, layout, len(placements), found)
     try:
         prepare_socket_dir(args.weight_cache_socket_dir)
     except (SecurityError, OSError) as exc:
