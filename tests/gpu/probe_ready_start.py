@@ -51,7 +51,8 @@ def _row(variant: str, ready: dict[str, Any], load: Any) -> dict[str, Any]:
             "early_bytes": early.get("read_bytes"),
             "marks": ready.get("start_marks"),
             "import_prefetch": {k: (rank.get("import_prefetch") or {}).get(k)
-                                for k in ("files", "bytes", "checked_only", "seconds")},
+                                for k in ("files", "bytes", "checked_only", "warm",
+                                          "seconds")},
             "gentle_s": ((rank.get("loader") or {}).get("disk") or {}).get("gentle_seconds"),
             "disk_first_s": [row[:2] for row in disk[:6]]}
 

@@ -130,16 +130,99 @@ def test_a_set_held_whole_is_done_on_one_check_with_nothing_read_or_looked_up(tm
     assert stats["checked_only"] is True and pf.whole()
     assert stats["bytes"] == 0 and stats["looked_up"] == 0
     assert stats["resident_bytes"] == 32 * PAGE and stats["files"] == 3
-    cold = _file(tmp_path / "cold.so", 8)
+    cold = _file(tmp_path / "cold.so", 64)  # more than half of the set's bytes missing
     pf = importset.Prefetch([*files, entry(cold)]).start()
     assert pf.done.wait(30)
     stats = pf.stats()
-    assert stats["checked_only"] is False and pf.whole()
-    assert stats["bytes"] == 8 * PAGE and stats["looked_up"] >= 1 and _resident(cold)
+    assert stats["checked_only"] is False and stats["warm"] is False and pf.whole()
+    assert stats["bytes"] == 64 * PAGE and stats["looked_up"] >= 1 and _resident(cold)
     (pkg / "__pycache__").rename(tmp_path / "moved")  # a listed directory gone: unread
     gone = importset.Prefetch([entry(held[0]), {"path": str(pkg / "__pycache__"),
                                                 "list": True}]).start()
     assert gone.done.wait(30) and gone.stats()["unread"] == 1 and gone.needs_record()
+
+
+def _warm_file(path: Path, pages: int) -> Path:
+    path.write_bytes(os.urandom(pages * PAGE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, pages * PAGE, 0)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _entry(f: Path) -> dict:
+    return {"path": str(f), "identity": importset._identity(f.stat()),
+            "ranges": [(0, f.stat().st_size)]}
+
+
+def test_a_set_mostly_in_memory_lets_the_early_reads_go_before_its_read(tmp_path):
+    """A restart finds its set in memory but for a part (what another process's start did
+    not fault in): the verdict is warm, the early reads may go (`early_go`, the `when_warm`
+    calls) before the missing part is read, and only the files lacking pages are read, with
+    no look-ups. Half or more missing, and the early reads wait for the whole read, as on a
+    cold node."""
+    warm = [_warm_file(tmp_path / f"w{i}.so", 32) for i in range(4)]
+    if not all(_resident(f) for f in warm):
+        pytest.skip("this kernel keeps no page cache for the test's files")
+    part = _file(tmp_path / "part.so", 32)
+    fd = os.open(part, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead
+        os.pread(fd, 4 * PAGE, 0)  # its first 4 pages in memory, 28 missing
+    finally:
+        os.close(fd)
+    cold = _file(tmp_path / "cold.so", 8)
+    files = [_entry(f) for f in (*warm, part, cold)]
+    seen: list[tuple[bool, bool]] = []
+    pf = importset.Prefetch(files)
+    pf.when_warm(lambda: seen.append((pf.early_go.is_set(), pf.done.is_set())))
+    pf.start()
+    assert pf.done.wait(30) and pf.early_go.is_set()
+    stats = pf.stats()
+    # Called once, on the verdict: the early reads could go, the read was not done.
+    assert seen == [(True, False)]
+    assert stats["warm"] is True and stats["checked_only"] is False and pf.whole()
+    assert stats["bytes"] == (32 + 8) * PAGE  # the ranges lacking pages; no held file re-read
+    assert stats["resident_bytes"] == 4 * 32 * PAGE and stats["looked_up"] == 0
+    assert stats["warm_at"] <= stats["done_at"]
+    assert _resident(part) and _resident(cold)
+    late: list[bool] = []
+    pf.when_warm(lambda: late.append(True))  # a verdict already given: called at once
+    assert late == [True]
+
+    drop_page_cache([*warm[:3]], everything=False)  # now over half of the set is missing
+    seen.clear()
+    cold_set = importset.Prefetch([_entry(f) for f in (*warm, part)])
+    cold_set.when_warm(lambda: seen.append((True, True)))
+    cold_set.start()
+    assert cold_set.done.wait(30) and cold_set.early_go.is_set() and seen == []
+    stats = cold_set.stats()
+    assert stats["warm"] is False and stats["warm_at"] is None and cold_set.whole()
+    assert stats["bytes"] == 3 * 32 * PAGE and stats["looked_up"] >= 1
+
+
+def test_a_cold_node_is_told_within_a_few_dozen_files(tmp_path, monkeypatch):
+    """On a cold node the census stops after COLD_FILES files with no page in memory, even
+    where their bytes are a small share of the set (here one large file held whole): the
+    whole set is read, the early reads wait for it."""
+    monkeypatch.setattr(importset, "COLD_FILES", 4)
+    big = _warm_file(tmp_path / "big.so", 256)
+    if not _resident(big):
+        pytest.skip("this kernel keeps no page cache for the test's files")
+    small = [_file(tmp_path / f"a{i:02d}.pyc", 1) for i in range(6)]
+    opened: list[str] = []
+    pf = importset.Prefetch([_entry(f) for f in (*small, big)])
+    real = importset._open_recorded
+    monkeypatch.setattr(importset, "_open_recorded",
+                        lambda f: (opened.append(f["path"]), real(f))[1])
+    pf.start()
+    assert pf.done.wait(30)
+    stats = pf.stats()
+    assert stats["warm"] is False and pf.whole() and stats["bytes"] == 6 * PAGE
+    # The census opened the first four small files only, then the full read opened all.
+    assert opened[:4] == [str(f) for f in small[:4]] and str(big) not in opened[:5]
 
 
 @pytest.mark.parametrize("how", ["deep", "plain"])

@@ -244,14 +244,17 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
     # The early reads go gentle while the import faults (diskshare.py); the fill too. Once
     # the import set is in the page cache whole, the faults that came before it are of pages
     # now in memory, and the libraries the import still needs are there: full reads at once
-    # (on the H200, READY with the share off was 0.7-0.8 s sooner: run14).
+    # (on the H200, READY with the share off was 0.7-0.8 s sooner: run14). A set found in
+    # memory but for a small part (a restart: importset.Prefetch._census) lets them start,
+    # full, at once; a fault of the import's on a missing page makes them gentle again.
     disk, _ = diskshare.for_load(start_gentle=diskshare.START_GENTLE, own=True)
-    after = prefetch.done if prefetch is not None else None  # after the import set
+    after = prefetch.early_go if prefetch is not None else None  # after the import set
     if disk is not None and prefetch is not None:
         share = disk
         if not importset.early_reads_wait():  # beside it, gentle until it is read
             share.hold_gentle()
             after = None
+        prefetch.when_warm(share.settle)
         prefetch.when_done(lambda: share.settle() if prefetch.whole() else share.let_go())
     return EarlyReads(ckpt.files, budget, disk=disk).start(after, PREFETCH_WAIT_S)
 

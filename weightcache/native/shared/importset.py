@@ -22,7 +22,8 @@ mapping or module shows them, yet on the H200 they were the longest wait of a co
 `import torch` reads every installed distribution's `entry_points.txt`, and each of those
 opens waited 0.25-0.5 s behind the early reads (a 4 s longer start; runs 24-25 in
 docs/performance.md);
-the early reads begin once that is done. How it reads them decides how long the disk does
+the early reads begin once that is done, or at once where the set is in memory but for a small
+part (a restart; `Prefetch._check_then_read`). How it reads them decides how long the disk does
 little else: on the H200 VM, 8 threads of one 4 MiB `pread` at a time read a 465 MB set of
 1,119 files in 1.43-1.68 s (0.3 GB/s, against 2 GB/s for the checkpoint), most files being
 small and each one a few waits on the disk in turn. So the default (`deep`) runs THREADS
@@ -74,7 +75,7 @@ from typing import Any
 from weightcache import constants
 
 from . import libc
-from .residency import resident
+from .residency import resident, resident_pages
 from .threads import Pool
 
 PAGE = mmap.PAGESIZE
@@ -95,6 +96,12 @@ AHEAD_BYTES = 512 << 10  # one readahead request of a deep prefetch (module doc)
 THREADS = 32  # readers of a deep prefetch (module doc)
 OPENED_MAX_BYTES = 1 << 20  # a file the start opened is read ahead whole up to this size
 PLAIN_THREADS = 8
+# The check's verdict (`Prefetch._census`): a set whose page cache lacks at most this share of
+# its bytes is *warm* (a restart: the libraries in memory, only the model cold), and the rank's
+# early reads start at once instead of after its read; a cold node shows itself within
+# COLD_FILES files that have none of their pages in memory.
+WARM_LACKING = 0.5
+COLD_FILES = 32
 
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
@@ -437,7 +444,13 @@ class Prefetch:
         self._seconds = 0.0
         self.import_waited: float | None = None  # seconds the import waited for it, if it did
         self.checked_only = False  # the whole set was resident: nothing read or looked up
+        self.warm = False  # the check found the set in memory but for a small part (census)
+        self._warm_at: float | None = None
+        # Set once the early reads may start: on a warm verdict, else when done.
+        self.early_go = threading.Event()
         self._on_done: list[Callable[[], None]] = []
+        self._on_warm: list[Callable[[], None]] = []
+        self._look = self.deep  # list directories and look sources up beside the reads
 
     def start(self) -> Prefetch:
         self._started = time.monotonic()
@@ -449,63 +462,120 @@ class Prefetch:
         return self
 
     def _check_then_read(self) -> None:
-        """Where the whole set is in the page cache (a restart, a node whose agent ran before:
-        only the model cold), the prefetch is done once one thread has seen that; else it
-        reads as below, from the first file the check found lacking.
+        """One thread first takes the set's census (`_census`); the reads follow from it.
 
-        The full prefetch also lists directories and looks up bytecode sources (`deep`), in
+        Where the whole set is in the page cache (a node whose agent ran before, with only the
+        model cold), the prefetch is done once that thread has seen it. Where a small part is
+        missing, the verdict is *warm*: the early reads start at once (`early_go`) and only
+        the files lacking pages are read, without the look-ups. Else (a cold node) the whole
+        set is read as below, and the early reads wait for it.
+
+        The full read also lists directories and looks up bytecode sources (`deep`), in
         THREADS readers: with every page resident that was 0.2 s of Python on the H200 (692
-        look-ups, 1,474 files), beside the rank's own imports and in front of its early reads,
-        which wait for `done`. A file whose pages are in memory has its inode and name in
-        memory too (the kernel drops a file's pages with its inode), so skipping the look-ups
-        then skips nothing the import would wait on; a stale guess costs time, never bytes."""
+        look-ups, 1,474 files), beside the rank's own imports and in front of its early reads.
+        A file whose pages are in memory has its inode and name in memory too (the kernel
+        drops a file's pages with its inode), so skipping the look-ups then skips nothing the
+        import would wait on; a stale guess costs time, never bytes.
+
+        Why a warm verdict at all: a set is recorded as the resident runs of the start's
+        mappings, merged across gaps of up to GAP, and readahead made them; a later process
+        that imports the same libraries (an engine, a start of ours) faults other pages in.
+        So after a restart the set is rarely whole in memory: on the H100, with the model cold
+        after an engine's start, 130 MB of a 554 MB set were missing, its read took 0.17-0.35 s
+        and the checkpoint's first byte landed 0.6-0.75 s after the spawn instead of 0.3-0.45.
+        The import needs few of those pages (it faulted the rest in already once); the ones
+        it does need fault in beside the early reads, and the disk share goes gentle for
+        them (diskshare.py), as for any program that starts."""
         _Opened.quiet.on = True
         try:
-            held = self._resident_whole()
+            census = self._census()
         except Exception:  # no verdict: the full read decides
-            held = None
-        if held is None:
-            try:
-                self._read_all()
-            except Exception:  # no reader could start: done, with nothing read
+            census = None
+        try:
+            if census is None:
+                self._read_all(self.files)
+                return
+            held, lacking = census
+            with self._lock:
+                self._resident = held
+                self._files_read = len(self.files) - len(lacking)
+                self.checked_only = not lacking
+            if not lacking:
                 self._end()
-            return
-        with self._lock:
-            self._resident, self._files_read, self.checked_only = held, len(self.files), True
-        self._end()
+                return
+            self._go_warm()
+            self._look = False
+            self._read_all(lacking)
+        except Exception:  # no reader could start: done, with what was read
+            self._end()
 
-    def _resident_whole(self) -> int | None:
-        """The set's bytes if every file of it is unchanged and held whole by the page cache;
-        None at the first one that is not (a cold node stops at its first file)."""
-        held = 0
+    def _census(self) -> tuple[int, list[dict[str, Any]]] | None:
+        """(the bytes of the files held whole, the files lacking some page or changed) where
+        the page cache lacks at most WARM_LACKING of the set's bytes; None at the first sign
+        that it lacks more: that share passed, or COLD_FILES files with no page in memory (a
+        cold node stops within a few dozen opens)."""
+        total = sum(end - start for f in self.files for start, end in f.get("ranges", ()))
+        held = lacked = empty = 0
+        lacking: list[dict[str, Any]] = []
         for f in self.files:
             if self._stop.is_set():
                 return None
             if f.get("list"):  # still there (one stat; listing it is the full read's)
                 try:
                     if not stat.S_ISDIR(os.stat(f["path"]).st_mode):
-                        return None
+                        lacking.append(f)
                 except OSError:
-                    return None
+                    lacking.append(f)
                 continue
             opened = _open_recorded(f)
-            if opened is None:
-                return None
+            if opened is None:  # changed or gone: its read counts it unread
+                lacking.append(f)
+                continue
             fd, ranges = opened
+            size = found = missing = 0
             try:
                 for start, end in ranges:
-                    if not resident(fd, start, end - start):
-                        return None
-                    held += end - start
+                    answer = resident_pages(fd, start, end - start)
+                    pages, count = answer if answer is not None else (0, 1)  # can't say: lacking
+                    size += end - start
+                    found += pages
+                    missing += count - pages
             finally:
                 os.close(fd)
-        return held
+            if not missing:
+                held += size
+                continue
+            lacking.append(f)
+            lacked += missing * PAGE
+            empty += found == 0
+            if empty >= COLD_FILES or lacked > WARM_LACKING * total:
+                return None
+        return held, lacking
 
-    def _read_all(self) -> None:
+    def _go_warm(self) -> None:
+        """The warm verdict: the early reads may start, and the `when_warm` calls run."""
+        with self._lock:
+            self.warm, self._warm_at = True, time.monotonic()
+            calls, self._on_warm = self._on_warm, []
+        self.early_go.set()
+        for call in calls:
+            call()
+
+    def when_warm(self, call: Callable[[], None]) -> None:
+        """Call `call` on a warm verdict (at once if there was one; never if the prefetch
+        ended without one): on the thread that reaches it."""
+        with self._lock:
+            if not self.warm:
+                if not self.done.is_set():
+                    self._on_warm.append(call)
+                return
+        call()
+
+    def _read_all(self, files: list[dict[str, Any]]) -> None:
         work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        for f in self.files:
+        for f in files:
             work.put(f)
-        count = min(THREADS if self.deep else PLAIN_THREADS, len(self.files))
+        count = min(THREADS if self.deep else PLAIN_THREADS, len(files))
         for _ in range(count):
             work.put(None)
 
@@ -527,7 +597,8 @@ class Prefetch:
     def _finish(self) -> None:
         with self._lock:
             self.done.set()
-            calls, self._on_done = self._on_done, []
+            calls, self._on_done, self._on_warm = self._on_done, [], []
+        self.early_go.set()
         for call in calls:
             call()
 
@@ -568,7 +639,7 @@ class Prefetch:
                 missing.append((pos, end))
                 if self.deep:  # all of it in flight now; the reads below wait for it
                     _ahead(fd, pos, end)
-            if self.deep:
+            if self._look:
                 self._look_up(f["path"])
             for pos, end in missing:
                 while pos < end and not self._stop.is_set():
@@ -652,6 +723,7 @@ class Prefetch:
                                      else time.monotonic() - self._started, 4),
                     "done": self.done.is_set(), "import_waited": self.import_waited,
                     "deep": self.deep, "looked_up": self._looked_up,
-                    "checked_only": self.checked_only,
+                    "checked_only": self.checked_only, "warm": self.warm,
+                    "warm_at": self._warm_at,  # time.monotonic(), as READY's `marks`
                     "started_at": self._started,  # time.monotonic(), as READY's `marks`
                     "done_at": (self._started + self._seconds) if self.done.is_set() else None}
