@@ -223,6 +223,12 @@ def test_a_cold_node_is_told_within_a_few_dozen_files(tmp_path, monkeypatch):
     assert stats["warm"] is False and pf.whole() and stats["bytes"] == 6 * PAGE
     # The census opened the first four small files only, then the full read opened all.
     assert opened[:4] == [str(f) for f in small[:4]] and str(big) not in opened[:5]
+    # Files with no page in memory, but fewer than those held (a restart): still warm.
+    warm = [_warm_file(tmp_path / f"b{i:02d}.so", 64) for i in range(8)]
+    restart = importset.Prefetch([_entry(f) for f in (*warm, *small[:5])])
+    drop_page_cache(small[:5], everything=False)
+    restart.start()
+    assert restart.done.wait(30) and restart.stats()["warm"] is True and restart.whole()
 
 
 @pytest.mark.parametrize("how", ["deep", "plain"])

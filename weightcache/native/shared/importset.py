@@ -99,7 +99,8 @@ PLAIN_THREADS = 8
 # The check's verdict (`Prefetch._census`): a set whose page cache lacks at most this share of
 # its bytes is *warm* (a restart: the libraries in memory, only the model cold), and the rank's
 # early reads start at once instead of after its read; a cold node shows itself within
-# COLD_FILES files that have none of their pages in memory.
+# COLD_FILES files, most of them with none of their pages in memory. (A restart has such files
+# too, but few: on the H100 after an engine's start, some dozens of 1,474.)
 WARM_LACKING = 0.5
 COLD_FILES = 32
 
@@ -512,10 +513,10 @@ class Prefetch:
     def _census(self) -> tuple[int, list[dict[str, Any]]] | None:
         """(the bytes of the files held whole, the files lacking some page or changed) where
         the page cache lacks at most WARM_LACKING of the set's bytes; None at the first sign
-        that it lacks more: that share passed, or COLD_FILES files with no page in memory (a
-        cold node stops within a few dozen opens)."""
+        that it lacks more: that share passed, or COLD_FILES files or more with no page in
+        memory making most of those seen (a cold node stops within a few dozen opens)."""
         total = sum(end - start for f in self.files for start, end in f.get("ranges", ()))
-        held = lacked = empty = 0
+        held = lacked = empty = seen = 0
         lacking: list[dict[str, Any]] = []
         for f in self.files:
             if self._stop.is_set():
@@ -531,6 +532,7 @@ class Prefetch:
             if opened is None:  # changed or gone: its read counts it unread
                 lacking.append(f)
                 continue
+            seen += 1
             fd, ranges = opened
             size = found = missing = 0
             try:
@@ -548,7 +550,7 @@ class Prefetch:
             lacking.append(f)
             lacked += missing * PAGE
             empty += found == 0
-            if empty >= COLD_FILES or lacked > WARM_LACKING * total:
+            if (empty >= COLD_FILES and 2 * empty > seen) or lacked > WARM_LACKING * total:
                 return None
         return held, lacking
 
