@@ -204,26 +204,24 @@ def test_a_set_mostly_in_memory_lets_the_early_reads_go_before_its_read(tmp_path
 
 
 def test_a_cold_node_is_told_within_a_few_dozen_files(tmp_path, monkeypatch):
-    """On a cold node the census stops after COLD_FILES files with no page in memory, even
-    where their bytes are a small share of the set (here one large file held whole): the
-    whole set is read, the early reads wait for it."""
+    """On a cold node the census stops once COLD_FILES files with no page in memory make most
+    of those it saw, even where their bytes are a small share of the set (here one large file
+    held whole): the whole set is read, the early reads wait for it."""
     monkeypatch.setattr(importset, "COLD_FILES", 4)
     big = _warm_file(tmp_path / "big.so", 256)
     if not _resident(big):
         pytest.skip("this kernel keeps no page cache for the test's files")
     small = [_file(tmp_path / f"a{i:02d}.pyc", 1) for i in range(6)]
-    opened: list[str] = []
     pf = importset.Prefetch([_entry(f) for f in (*small, big)])
-    real = importset._open_recorded
-    monkeypatch.setattr(importset, "_open_recorded",
-                        lambda f: (opened.append(f["path"]), real(f))[1])
     pf.start()
     assert pf.done.wait(30)
     stats = pf.stats()
+    # By bytes (6 pages missing of 262) it would be warm: the empty files told it cold.
     assert stats["warm"] is False and pf.whole() and stats["bytes"] == 6 * PAGE
-    # The census opened the first four small files only, then the full read opened all.
-    assert opened[:4] == [str(f) for f in small[:4]] and str(big) not in opened[:5]
-    # Files with no page in memory, but fewer than those held (a restart): still warm.
+    assert stats["looked_up"] >= 1  # the full read, with its look-ups
+    # Files with no page in memory, but fewer than those held (a restart): still warm. (One
+    # looker, so that the files are counted in the set's order.)
+    monkeypatch.setattr(importset, "CENSUS_THREADS", 1)
     warm = [_warm_file(tmp_path / f"b{i:02d}.so", 64) for i in range(8)]
     restart = importset.Prefetch([_entry(f) for f in (*warm, *small[:5])])
     drop_page_cache(small[:5], everything=False)

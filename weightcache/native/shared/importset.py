@@ -103,6 +103,7 @@ PLAIN_THREADS = 8
 # too, but few: on the H100 after an engine's start, some dozens of 1,474.)
 WARM_LACKING = 0.5
 COLD_FILES = 32
+CENSUS_THREADS = 16  # the census's lookers (`Prefetch._census`)
 
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
@@ -425,6 +426,55 @@ def _open_recorded(f: dict[str, Any]) -> tuple[int, list[tuple[int, int]]] | Non
     return None
 
 
+def _look_at(f: dict[str, Any]) -> tuple[int, int, int]:
+    """(the bytes of the set's file `f`, its pages in memory, its pages missing) for the
+    census; a directory entry that still is one counts as held (0, 0, 0), anything changed or
+    gone as (0, 0, -1)."""
+    if f.get("list"):  # still there (one stat; listing it is the full read's)
+        try:
+            return (0, 0, 0) if stat.S_ISDIR(os.stat(f["path"]).st_mode) else (0, 0, -1)
+        except OSError:
+            return 0, 0, -1
+    opened = _open_recorded(f)
+    if opened is None:  # changed or gone: its read counts it unread
+        return 0, 0, -1
+    fd, ranges = opened
+    size = found = missing = 0
+    try:
+        for start, end in ranges:
+            answer = resident_pages(fd, start, end - start)
+            pages, pages_in = answer if answer is not None else (0, 1)  # can't say: lacking
+            size += end - start
+            found += pages
+            missing += pages_in - pages
+    finally:
+        os.close(fd)
+    return size, found, missing
+
+
+class _Count:
+    """The census's totals so far (`Prefetch._census`; its lock guards them)."""
+
+    def __init__(self) -> None:
+        self.held = self.lacked = self.empty = self.seen = 0
+        self.lacking: list[dict[str, Any]] = []
+        self.cold = False
+
+    def add(self, f: dict[str, Any], size: int, found: int, missing: int) -> None:
+        if missing < 0:  # changed, gone or no longer a directory: lacking, and not weighed
+            self.lacking.append(f)
+            return
+        if f.get("list"):
+            return
+        self.seen += 1
+        if not missing:
+            self.held += size
+            return
+        self.lacking.append(f)
+        self.lacked += missing * PAGE
+        self.empty += found == 0
+
+
 class Prefetch:
     """Read an import set into the page cache (THREADS readers, or PLAIN_THREADS when not
     `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
@@ -514,45 +564,37 @@ class Prefetch:
         """(the bytes of the files held whole, the files lacking some page or changed) where
         the page cache lacks at most WARM_LACKING of the set's bytes; None at the first sign
         that it lacks more: that share passed, or COLD_FILES files or more with no page in
-        memory making most of those seen (a cold node stops within a few dozen opens)."""
+        memory making most of those seen (a cold node stops within a few dozen opens).
+
+        CENSUS_THREADS look at the files side by side: a file whose pages the page cache
+        dropped has often lost its inode too, and its open waits on the disk. One thread
+        looking at them in turn took 1.14 s on the H100 (run43: a restart's set, 1,474 files),
+        where the look itself is milliseconds."""
         total = sum(end - start for f in self.files for start, end in f.get("ranges", ()))
-        held = lacked = empty = seen = 0
-        lacking: list[dict[str, Any]] = []
-        for f in self.files:
-            if self._stop.is_set():
-                return None
-            if f.get("list"):  # still there (one stat; listing it is the full read's)
-                try:
-                    if not stat.S_ISDIR(os.stat(f["path"]).st_mode):
-                        lacking.append(f)
-                except OSError:
-                    lacking.append(f)
-                continue
-            opened = _open_recorded(f)
-            if opened is None:  # changed or gone: its read counts it unread
-                lacking.append(f)
-                continue
-            seen += 1
-            fd, ranges = opened
-            size = found = missing = 0
-            try:
-                for start, end in ranges:
-                    answer = resident_pages(fd, start, end - start)
-                    pages, count = answer if answer is not None else (0, 1)  # can't say: lacking
-                    size += end - start
-                    found += pages
-                    missing += count - pages
-            finally:
-                os.close(fd)
-            if not missing:
-                held += size
-                continue
-            lacking.append(f)
-            lacked += missing * PAGE
-            empty += found == 0
-            if (empty >= COLD_FILES and 2 * empty > seen) or lacked > WARM_LACKING * total:
-                return None
-        return held, lacking
+        count = _Count()
+        lock = threading.Lock()
+        files = iter(self.files)
+
+        def worker(_: int) -> None:
+            while True:
+                with lock:
+                    if count.cold or self._stop.is_set():
+                        return
+                    f = next(files, None)
+                if f is None:
+                    return
+                size, found, missing = _look_at(f)
+                with lock:
+                    count.add(f, size, found, missing)
+                    if ((count.empty >= COLD_FILES and 2 * count.empty > count.seen)
+                            or count.lacked > WARM_LACKING * total):
+                        count.cold = True
+
+        Pool(worker, min(CENSUS_THREADS, len(self.files)), "weightcache-census",
+             daemon=True).start().wait()
+        if count.cold or self._stop.is_set():
+            return None
+        return count.held, count.lacking
 
     def _go_warm(self) -> None:
         """The warm verdict: the early reads may start, and the `when_warm` calls run."""
