@@ -186,7 +186,7 @@ def test_a_set_mostly_in_memory_lets_the_early_reads_go_before_its_read(tmp_path
     assert stats["warm"] is True and stats["checked_only"] is False and pf.whole()
     assert stats["bytes"] == (32 + 8) * PAGE  # the ranges lacking pages; no held file re-read
     assert stats["resident_bytes"] == 4 * 32 * PAGE and stats["looked_up"] == 0
-    assert stats["warm_at"] <= stats["done_at"]
+    assert stats["started_at"] <= stats["census_at"] <= stats["warm_at"] <= stats["done_at"]
     assert _resident(part) and _resident(cold)
     late: list[bool] = []
     pf.when_warm(lambda: late.append(True))  # a verdict already given: called at once

@@ -807,8 +807,8 @@ def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
 def start_marks(ready: dict[str, Any] | None, spawned_at: float) -> dict[str, float]:
     """When, in seconds from the launcher's spawn, READY's start passed each step, in order:
     the launcher's (`launcher_*`), its first rank's (`exec`, `run`, `input`, `locked`,
-    `early_started`, `imported`, `serving`), the import set's read-ahead (`prefetch_*`; `warm`
-    where its check let the early reads start before its read) and
+    `early_started`, `imported`, `serving`), the import set's read-ahead (`prefetch_*`: its census's
+    end, `warm` where that let the early reads start before its read) and
     the early reads' first read asked for and landed (`early_first_*`). Up to
     `early_first_landed` the disk read nothing of the checkpoint: that is READY's lead over
     the device read. All are `time.monotonic()` readings of one clock (READY's `marks`)."""
@@ -817,8 +817,8 @@ def start_marks(ready: dict[str, Any] | None, spawned_at: float) -> dict[str, fl
     rank = _rank0(ready)
     found = {f"launcher_{k}": v for k, v in (ready.get("marks") or {}).items()}
     found.update(rank.get("marks") or {})
-    for key, name in (("started_at", "prefetch_started"), ("warm_at", "prefetch_warm"),
-                      ("done_at", "prefetch_done")):
+    for key, name in (("started_at", "prefetch_started"), ("census_at", "prefetch_census"),
+                      ("warm_at", "prefetch_warm"), ("done_at", "prefetch_done")):
         found[name] = (rank.get("import_prefetch") or {}).get(key)
     for key, name in (("first_read_at", "early_first_read"),
                       ("first_landed_at", "early_first_landed")):

@@ -497,6 +497,7 @@ class Prefetch:
         self.checked_only = False  # the whole set was resident: nothing read or looked up
         self.warm = False  # the check found the set in memory but for a small part (census)
         self._warm_at: float | None = None
+        self._census_at: float | None = None  # when the census ended (time.monotonic())
         # Set once the early reads may start: on a warm verdict, else when done.
         self.early_go = threading.Event()
         self._on_done: list[Callable[[], None]] = []
@@ -542,6 +543,7 @@ class Prefetch:
             census = self._census()
         except Exception:  # no verdict: the full read decides
             census = None
+        self._census_at = time.monotonic()
         try:
             if census is None:
                 self._read_all(self.files)
@@ -769,5 +771,6 @@ class Prefetch:
                     "deep": self.deep, "looked_up": self._looked_up,
                     "checked_only": self.checked_only, "warm": self.warm,
                     "warm_at": self._warm_at,  # time.monotonic(), as READY's `marks`
+                    "census_at": self._census_at,
                     "started_at": self._started,  # time.monotonic(), as READY's `marks`
                     "done_at": (self._started + self._seconds) if self.done.is_set() else None}
