@@ -229,6 +229,31 @@ def test_a_cold_node_is_told_within_a_few_dozen_files(tmp_path, monkeypatch):
     assert restart.done.wait(30) and restart.stats()["warm"] is True and restart.whole()
 
 
+def test_the_prefetchs_own_opens_are_not_noted_as_the_starts(tmp_path):
+    """The census and the reads open the set's own files: a start that writes its set anew
+    must not note those opens as its own (each would come back as a whole file, and the set
+    grow at every rewrite). Warm and cold verdicts alike."""
+    warm = [_warm_file(tmp_path / f"w{i}.so", 16) for i in range(3)]
+    if not all(_resident(f) for f in warm):
+        pytest.skip("this kernel keeps no page cache for the test's files")
+    cold = [_file(tmp_path / f"c{i}.so", 16) for i in range(3)]
+    names = {str(f) for f in (*warm, *cold)}
+    verdicts = []
+    importset.watch_opens()
+    try:
+        for files in ([*warm, cold[0]], cold[1:]):  # a warm verdict, then a cold one
+            pf = importset.Prefetch([_entry(f) for f in files]).start()
+            assert pf.done.wait(30) and pf.whole()
+            verdicts.append(pf.stats()["warm"])
+        with open(warm[0], "rb"):  # the start's own open is still noted
+            pass
+        paths, _ = importset._opened()
+    finally:
+        importset.stop_watching()
+    assert verdicts == [True, False] and str(warm[0]) in paths
+    assert not (names - {str(warm[0])}) & paths
+
+
 @pytest.mark.parametrize("how", ["deep", "plain"])
 def test_a_deep_prefetch_also_looks_up_what_the_import_reads_and_both_read_the_same(
         tmp_path, monkeypatch, how):

@@ -578,6 +578,7 @@ class Prefetch:
         files = iter(self.files)
 
         def worker(_: int) -> None:
+            _Opened.quiet.on = True  # the census's opens are the set's, not the start's
             while True:
                 with lock:
                     if count.cold or self._stop.is_set():
