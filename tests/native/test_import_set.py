@@ -130,7 +130,7 @@ def test_a_set_held_whole_is_done_on_one_check_with_nothing_read_or_looked_up(tm
     assert stats["checked_only"] is True and pf.whole()
     assert stats["bytes"] == 0 and stats["looked_up"] == 0
     assert stats["resident_bytes"] == 32 * PAGE and stats["files"] == 3
-    cold = _file(tmp_path / "cold.so", 64)  # more than half of the set's bytes missing
+    cold = _file(tmp_path / "cold.so", 64)  # more than a third of the set's bytes missing
     pf = importset.Prefetch([*files, entry(cold)]).start()
     assert pf.done.wait(30)
     stats = pf.stats()
@@ -192,7 +192,7 @@ def test_a_set_mostly_in_memory_lets_the_early_reads_go_before_its_read(tmp_path
     pf.when_warm(lambda: late.append(True))  # a verdict already given: called at once
     assert late == [True]
 
-    drop_page_cache([*warm[:3]], everything=False)  # now over half of the set is missing
+    drop_page_cache([*warm[:3]], everything=False)  # now over a third of the set is missing
     seen.clear()
     cold_set = importset.Prefetch([_entry(f) for f in (*warm, part)])
     cold_set.when_warm(lambda: seen.append((True, True)))
