@@ -76,6 +76,10 @@ ENV_EARLY_READS_BESIDE_FILL = "WEIGHTCACHE_EARLY_READS_BESIDE_FILL"
 # asked for each range at once, the directories and sources the import looks up) or "plain"
 # (8 readers, one read at a time, file contents only: the earlier way, kept to compare).
 ENV_IMPORT_SET_PREFETCH = "WEIGHTCACHE_IMPORT_SET_PREFETCH"
+# Whether a census that finds a rank's import set in memory but for a small part lets its early
+# reads start at once (1, default) or the whole set is read first, as on a cold node (0: the
+# earlier way, kept to compare).
+ENV_IMPORT_SET_WARM = "WEIGHTCACHE_IMPORT_SET_WARM"
 IMPORT_SET_NAME = "import-set.json"
 
 # Environment of agent pods (downward API and plan path).

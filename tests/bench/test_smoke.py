@@ -8,6 +8,7 @@ output); what is checked is that each section finishes, exits 0 and prints its t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,23 @@ def test_section_runs_at_smoke_size(section: str) -> None:
     else:
         assert not skipped, out[-4000:]
         assert "Traceback" not in out, out[-4000:]
+
+
+def test_the_load_sections_restart_census_runs_at_smoke_size(tmp_path) -> None:
+    """`census` (READY after an engine's cold start, with and without the import set's warm
+    verdict) is a GPU run's A/B: its code runs here, and the knob reaches the rank."""
+    out = tmp_path / "load.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_LOAD_PARTS": "census",
+           "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": "sharded", "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
+           "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "work")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", "load"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = json.loads(out.read_text())["layouts"]["sharded"]["summary"]
+    for key in ("preload_cold_model_restart", "preload_cold_model_restart_nowarm",
+                "preload_cold_model_restart_again"):
+        assert summary[f"{key}_ready_s"] > 0, key
+        assert summary[f"{key}_import_prefetch"]["files"] > 0, key
+    assert summary["preload_cold_model_restart_nowarm_import_prefetch"]["warm"] is False

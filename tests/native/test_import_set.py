@@ -191,6 +191,15 @@ def test_a_set_mostly_in_memory_lets_the_early_reads_go_before_its_read(tmp_path
     late: list[bool] = []
     pf.when_warm(lambda: late.append(True))  # a verdict already given: called at once
     assert late == [True]
+    # The knob off (the earlier way): the same set is read whole first, look-ups and all.
+    drop_page_cache([part, cold], everything=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(importset.WARM_ENV, "0")
+        off = importset.Prefetch(files)
+        off.when_warm(lambda: late.append(False))
+        assert off.start().done.wait(30) and off.whole() and late == [True]
+    stats = off.stats()
+    assert stats["warm"] is False and stats["looked_up"] >= 1 and stats["bytes"] >= 40 * PAGE
 
     drop_page_cache([*warm[:3]], everything=False)  # now over a third of the set is missing
     seen.clear()

@@ -42,7 +42,10 @@ against the warm default of one per core), plainprefetch (READY with every cache
 again, the rank's import set read ahead the earlier way: 8 readers, one read at a time, no
 lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`), stopearly (READY with the model cold
 again, the early reads stopping when the fill begins, `WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0`,
-then the default with the model cold again).
+then the default with the model cold again), census (READY with the model cold after an engine's
+cold start: every cache dropped, then a fresh process that imports torch and transformers and
+starts the device, the page cache a restart finds; the default, then without the import set's
+warm verdict, `WEIGHTCACHE_IMPORT_SET_WARM=0`, then the default again).
 """
 
 from __future__ import annotations
@@ -645,6 +648,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     # process has them (it imported torch before they ran), on every layout.
     r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
                                     "model")
+    if "census" in parts and _import_set() is not None:  # a restart's set, partly out
+        for key, env in CENSUS_READY.items():
+            r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
+                                             engine_cold_start, files)
+            r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     if "stopearly" in parts:  # the early reads stopped when the fill begins: the earlier way
         for key, env in STOP_EARLY_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -769,6 +777,34 @@ BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
 # READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
 STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
+# READY with the model cold after an engine's cold start (importset.py's census): the default,
+# without the warm verdict, the default again (what the order of the runs alone moves).
+CENSUS_READY = {"preload_cold_model_restart": {},
+                "preload_cold_model_restart_nowarm": {"WEIGHTCACHE_IMPORT_SET_WARM": "0"},
+                "preload_cold_model_restart_again": {}}
+_ENGINE_START = """
+import sys
+import torch
+try:
+    import transformers  # noqa: F401  (an engine's start imports it; absent: torch alone)
+except ImportError:
+    pass
+torch.zeros(1, device=sys.argv[1])
+"""
+
+
+def engine_cold_start(files: list[Path]) -> dict[str, Any]:
+    """Every cache dropped (on CPU: the checkpoint's pages), then what an engine's start reads:
+    a fresh process that imports torch and transformers and starts the device. The page cache
+    it leaves holds the libraries' pages that this start faulted in, not every page the rank's
+    own start did: a restart's."""
+    drop(files)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", _ENGINE_START, DEVICE], check=True,
+                   capture_output=True, timeout=300)
+    return {"seconds": round(time.perf_counter() - t0, 3)}
+
+
 # READY with every cache dropped, the import set read ahead the earlier way (importset.py).
 PLAIN_PREFETCH_READY = {"preload_cold_plain_prefetch": {"WEIGHTCACHE_IMPORT_SET_PREFETCH":
                                                         "plain"}}
@@ -890,7 +926,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
-                *NOYIELD_READY, *BESIDE_READY, "preload_cold_model_again"):
+                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")

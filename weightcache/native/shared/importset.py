@@ -84,6 +84,7 @@ SET_NAME = constants.IMPORT_SET_NAME
 WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
 EARLY_WAIT_ENV = constants.ENV_EARLY_READS_WAIT
 PREFETCH_ENV = constants.ENV_IMPORT_SET_PREFETCH
+WARM_ENV = constants.ENV_IMPORT_SET_WARM
 VERSION = 3  # 2: identities are [size, mtime_ns]; 3: what the start opened, and "list" entries
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
@@ -172,6 +173,13 @@ def early_reads_wait() -> bool:
     read; 0 starts them at once, gentle (diskshare.py) until it is, so that the disk is not
     idle while the set is read from memory or from many small files."""
     return _flag(EARLY_WAIT_ENV, True)
+
+
+def warm_verdicts() -> bool:
+    """`WEIGHTCACHE_IMPORT_SET_WARM`: 1 (default) lets a census that finds the set in memory
+    but for a small part start the early reads at once (`Prefetch._check_then_read`); 0 reads
+    the whole set first, as on a cold node (the earlier way, kept to compare)."""
+    return _flag(WARM_ENV, True)
 
 
 def deep_prefetch() -> bool:
@@ -547,7 +555,7 @@ class Prefetch:
             census = None
         self._census_at = time.monotonic()
         try:
-            if census is None:
+            if census is None or (census[1] and not warm_verdicts()):
                 self._read_all(self.files)
                 return
             held, lacking = census
