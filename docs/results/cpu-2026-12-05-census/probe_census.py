@@ -5,11 +5,11 @@ default) and without it (`WEIGHTCACHE_IMPORT_SET_WARM=0`: the whole set read fir
 Usage: python probe_census.py MODEL_DIR ROUNDS EVICT_SHARE
 One import set for both (written by one READY that is not counted). Before every counted READY
 the checkpoint's files are dropped from the page cache, and so are whole files of the set, in
-the set's order, every other one that keeps what is dropped within EVICT_SHARE of its bytes (what a restart finds: most of
-the set in memory, a part not; `posix_fadvise(DONTNEED)`, which leaves pages that a process
-maps, so the census says what was really missing). Run from a neutral working directory, the
-installed `weightcache`. Prints one JSON line per READY: the marks (seconds from the spawn) and
-what the set's read-ahead found and read.
+the set's order, every other one that keeps what is dropped within EVICT_SHARE of its bytes
+(what a restart finds: most of the set in memory, a part not; `posix_fadvise(DONTNEED)`, which
+leaves pages that a process maps, so the census says what was really missing). Run from a
+neutral working directory, the installed `weightcache`. Prints one JSON line per READY: the
+marks (seconds from the spawn) and what the set's read-ahead found and read.
 """
 
 from __future__ import annotations
