@@ -651,7 +651,7 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     if "census" in parts and _import_set() is not None:  # a restart's set, partly out
         for key, env in CENSUS_READY.items():
             r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
-                                             engine_cold_start, files)
+                                             engine_cold_start, model_dir, files)
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     if "stopearly" in parts:  # the early reads stopped when the fill begins: the earlier way
         for key, env in STOP_EARLY_READY.items():
@@ -740,6 +740,12 @@ _PROCESS_CODE = {
         "state = {}\n"
         "for f in sorted(pathlib.Path(sys.argv[1]).glob('*.safetensors')):\n"
         "    state.update(load_file(str(f), device=dev))\n"),
+    # No weights: an engine's start before its load (the `census` part's restart).
+    "engine_start": (
+        "import sys, torch\n"
+        "import transformers  # noqa: F401\n"
+        "dev = sys.argv[2]\n"
+        "torch.zeros(1, device=dev)\n"),
 }
 
 
@@ -782,27 +788,15 @@ STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BE
 CENSUS_READY = {"preload_cold_model_restart": {},
                 "preload_cold_model_restart_nowarm": {"WEIGHTCACHE_IMPORT_SET_WARM": "0"},
                 "preload_cold_model_restart_again": {}}
-_ENGINE_START = """
-import sys
-import torch
-try:
-    import transformers  # noqa: F401  (an engine's start imports it; absent: torch alone)
-except ImportError:
-    pass
-torch.zeros(1, device=sys.argv[1])
-"""
 
 
-def engine_cold_start(files: list[Path]) -> dict[str, Any]:
+def engine_cold_start(model_dir: Path, files: list[Path]) -> dict[str, Any]:
     """Every cache dropped (on CPU: the checkpoint's pages), then what an engine's start reads:
-    a fresh process that imports torch and transformers and starts the device. The page cache
-    it leaves holds the libraries' pages that this start faulted in, not every page the rank's
-    own start did: a restart's."""
+    a fresh process that imports torch and transformers and starts the device
+    (`process_baseline`'s `engine_start`). The page cache it leaves holds the libraries' pages
+    that this start faulted in, not every page the rank's own start did: a restart's."""
     drop(files)
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _ENGINE_START, DEVICE], check=True,
-                   capture_output=True, timeout=300)
-    return {"seconds": round(time.perf_counter() - t0, 3)}
+    return process_baseline("engine_start", model_dir)
 
 
 # READY with every cache dropped, the import set read ahead the earlier way (importset.py).
@@ -843,8 +837,8 @@ def _phases(ready: dict[str, Any]) -> dict[str, Any] | None:
 def start_marks(ready: dict[str, Any] | None, spawned_at: float) -> dict[str, float]:
     """When, in seconds from the launcher's spawn, READY's start passed each step, in order:
     the launcher's (`launcher_*`), its first rank's (`exec`, `run`, `input`, `locked`,
-    `early_started`, `imported`, `serving`), the import set's read-ahead (`prefetch_*`: its census's
-    end, `warm` where that let the early reads start before its read) and
+    `early_started`, `imported`, `serving`), the import set's read-ahead (`prefetch_*`: the
+    end of its census, and `warm` where that let the early reads start before its read) and
     the early reads' first read asked for and landed (`early_first_*`). Up to
     `early_first_landed` the disk read nothing of the checkpoint: that is READY's lead over
     the device read. All are `time.monotonic()` readings of one clock (READY's `marks`)."""

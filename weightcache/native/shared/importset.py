@@ -436,18 +436,18 @@ def _open_recorded(f: dict[str, Any]) -> tuple[int, list[tuple[int, int]]] | Non
     return None
 
 
-def _look_at(f: dict[str, Any]) -> tuple[int, int, int]:
+def _look_at(f: dict[str, Any]) -> tuple[int, int, int] | None:
     """(the bytes of the set's file `f`, its pages in memory, its pages missing) for the
-    census; a directory entry that still is one counts as held (0, 0, 0), anything changed or
-    gone as (0, 0, -1)."""
+    census; a directory entry that still is one counts as held (0, 0, 0); None for anything
+    changed or gone (its read counts it unread)."""
     if f.get("list"):  # still there (one stat; listing it is the full read's)
         try:
-            return (0, 0, 0) if stat.S_ISDIR(os.stat(f["path"]).st_mode) else (0, 0, -1)
+            return (0, 0, 0) if stat.S_ISDIR(os.stat(f["path"]).st_mode) else None
         except OSError:
-            return 0, 0, -1
+            return None
     opened = _open_recorded(f)
-    if opened is None:  # changed or gone: its read counts it unread
-        return 0, 0, -1
+    if opened is None:
+        return None
     fd, ranges = opened
     size = found = missing = 0
     try:
@@ -463,19 +463,22 @@ def _look_at(f: dict[str, Any]) -> tuple[int, int, int]:
 
 
 class _Count:
-    """The census's totals so far (`Prefetch._census`; its lock guards them)."""
+    """The census's totals so far, and whether they say cold already (`Prefetch._census`;
+    its lock guards them). `total`: the set's bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int) -> None:
+        self.total = total
         self.held = self.lacked = self.empty = self.seen = 0
         self.lacking: list[dict[str, Any]] = []
         self.cold = False
 
-    def add(self, f: dict[str, Any], size: int, found: int, missing: int) -> None:
-        if missing < 0:  # changed, gone or no longer a directory: lacking, and not weighed
+    def add(self, f: dict[str, Any], look: tuple[int, int, int] | None) -> None:
+        if look is None:  # changed, gone or no longer a directory: lacking, and not weighed
             self.lacking.append(f)
             return
         if f.get("list"):
             return
+        size, found, missing = look
         self.seen += 1
         if not missing:
             self.held += size
@@ -483,6 +486,9 @@ class _Count:
         self.lacking.append(f)
         self.lacked += missing * PAGE
         self.empty += found == 0
+        if ((self.empty >= COLD_FILES and 2 * self.empty > self.seen)
+                or self.lacked > WARM_LACKING * self.total):
+            self.cold = True  # and stays so, whatever is counted after
 
 
 class Prefetch:
@@ -582,8 +588,7 @@ class Prefetch:
         dropped has often lost its inode too, and its open waits on the disk. One thread
         looking at them in turn took 1.14 s on the H100 (run43: a restart's set, 1,474 files),
         where the look itself is milliseconds."""
-        total = sum(end - start for f in self.files for start, end in f.get("ranges", ()))
-        count = _Count()
+        count = _Count(sum(end - start for f in self.files for start, end in f.get("ranges", ())))
         lock = threading.Lock()
         files = iter(self.files)
 
@@ -596,12 +601,9 @@ class Prefetch:
                     f = next(files, None)
                 if f is None:
                     return
-                size, found, missing = _look_at(f)
+                look = _look_at(f)
                 with lock:
-                    count.add(f, size, found, missing)
-                    if ((count.empty >= COLD_FILES and 2 * count.empty > count.seen)
-                            or count.lacked > WARM_LACKING * total):
-                        count.cold = True
+                    count.add(f, look)
 
         Pool(worker, min(CENSUS_THREADS, len(self.files)), "weightcache-census",
              daemon=True).start().wait()
