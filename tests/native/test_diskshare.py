@@ -224,6 +224,13 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
 
 
+# Where shares on made-up counters look for processes: nowhere. With the real /proc, a sample
+# that caught the system's count before the made-up own one would look for the faulting
+# process there and adopt this worker's real children (other tests' daemons), adding their
+# real faults to the made-up counts.
+NO_PROC = "/nonexistent/proc"
+
+
 def _counters(tmp_path: Path, system: int, own: int) -> tuple[str, str]:
     """A vmstat and a proc_pid_stat(5) line with these counts (the command name holds
     spaces and parentheses, as a real one may)."""
@@ -259,9 +266,9 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
     # 10 per window: the two files are read one after the other, so a sample may catch one
     # step (5) of ours in the system's count and not yet in our own.
     quiet = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
-                      own=False, own_source=stat).start()
+                      own=False, own_source=stat, proc=NO_PROC).start()
     starting = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
-                         own=True, own_source=stat).start()
+                         own=True, own_source=stat, proc=NO_PROC).start()
     try:
         system, own = 1000, 500
         deadline = time.monotonic() + 0.6
@@ -304,7 +311,7 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
 
     monkeypatch.setattr(diskshare, "read_faults", read_and_tell)
     share = DiskShare(interval=0.01, window=0.2, hold=5.0, start_gentle=30.0, source=vmstat,
-                      own_source=stat).start()
+                      own_source=stat, proc=NO_PROC).start()
     try:
         # On a loaded machine the thread may first run after the next write: wait for it.
         assert sampled.wait(30), "the sampler never read the counters"
@@ -331,7 +338,7 @@ def test_a_held_share_stays_gentle_without_faults_until_settled_or_let_go(tmp_pa
     start's span is over), `settle` ends it at once."""
     vmstat, stat = _counters(tmp_path, 1000, 0)
     share = DiskShare(interval=0.01, window=0.1, hold=0.1, start_gentle=0.05, source=vmstat,
-                      own_source=stat).start()
+                      own_source=stat, proc=NO_PROC).start()
     try:
         share.hold_gentle()
         time.sleep(0.5)  # many samples, no fault, the start's span long over
@@ -370,7 +377,7 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
     diskshare.count_as_own(4242)
     assert diskshare._KIN == ["/proc/4242/stat"]  # once, whoever asks twice
     share = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
-                      own=False, own_source=stat, kin=(str(kin),)).start()
+                      own=False, own_source=stat, kin=(str(kin),), proc=NO_PROC).start()
     assert DiskShare(source=vmstat, own_source=stat).kin == ("/proc/4242/stat",)
     time.sleep(0.05)  # the sampler's first look: the counts it starts from
     try:
@@ -467,7 +474,7 @@ def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_pa
     nobody could name made a cold READY gentle for 1.5-1.8 s."""
     vmstat, stat = _counters(tmp_path, 1000, 0)
     share = DiskShare(interval=0.01, window=2.0, hold=0.2, source=vmstat, own=False,
-                      own_source=stat).start()
+                      own_source=stat, proc=NO_PROC).start()
     try:
         time.sleep(0.1)  # the sampler's baseline
         _counters(tmp_path, 1004, 0)
@@ -478,3 +485,40 @@ def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_pa
         assert time.monotonic() - burst < 1.5
     finally:
         share.stop()
+
+
+def test_the_processes_a_share_names_and_adopts_come_from_its_own_proc(tmp_path):
+    """The share looks for the faulting processes where it was told to (`proc`), so made-up
+    counters never meet real processes: a descendant of this process found there counts as
+    its own from then on (never making the reads gentle), another program there is named, and
+    this worker's real children (other tests' daemons) are neither."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    proc = tmp_path / "proc"
+    me = os.getpid()
+
+    def process(pid: int, comm: str, faults: int, parent: int) -> None:
+        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+        tmp = proc / f"{pid}.tmp"
+        tmp.write_text(f"{pid} ({comm}) S {parent} 2 3 4 5 6 7 8 {faults} 0 0 0 0\n")
+        os.replace(tmp, proc / str(pid) / "stat")
+
+    process(me, "pytest", 0, 1)
+    process(777, "ldconfig", 0, me)  # a child of this process
+    process(888, "engine", 0, 1)  # another program
+    share = DiskShare(interval=0.01, window=0.2, hold=0.2, source=vmstat, own=False,
+                      own_source=stat, proc=str(proc)).start()
+    try:
+        time.sleep(0.1)  # the sampler's baseline and its first look at `proc`
+        process(777, "ldconfig", 5, me)
+        _counters(tmp_path, 1005, 0)  # the child's faults, seen as the system's first
+        assert wait_until(lambda: share.stats()["own_faults"] == 5, 2), share.stats()
+        time.sleep(0.1)
+        assert not share.gentle and share.stats()["gentle_switches"] == 0
+        process(888, "engine", 3, 1)
+        _counters(tmp_path, 1008, 0)
+        assert wait_until(lambda: share.gentle, 2), "the other program's faults went unseen"
+    finally:
+        stats = share.stop()
+    named = [n for row in stats["fault_times"] if len(row) > 4 for n in row[4]]
+    assert named == ["engine:888:3"], stats["fault_times"]
+    assert stats["own_faults"] == 5 and stats["faults"] == 8

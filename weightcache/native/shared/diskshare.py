@@ -97,6 +97,7 @@ GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
 VMSTAT = "/proc/vmstat"
 SELF_STAT = "/proc/self/stat"
+PROC = "/proc"  # where the processes are looked at (`faults_by_process`)
 TIMELINE = 32
 WHO = 4  # processes named per sample with others' faults
 LOOKS = 32  # walks of /proc per share, only when others fault (a few ms each; tens on a
@@ -194,17 +195,17 @@ def _stat_fields(text: bytes) -> tuple[str, list[bytes]]:
     return text[text.index(b"(") + 1 : close].decode(errors="replace"), text[close + 2 :].split()
 
 
-def faults_by_process() -> dict[int, tuple[str, int, int]]:
+def faults_by_process(proc: str = PROC) -> dict[int, tuple[str, int, int]]:
     """pid -> (command name, major faults so far, parent pid) of every process this one can
-    see."""
+    see in `proc`."""
     out: dict[int, tuple[str, int, int]] = {}
     try:
-        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+        entries = [e.name for e in os.scandir(proc) if e.name.isdigit()]
     except OSError:
         return out
     for name in entries:
         try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
+            with open(f"{proc}/{name}/stat", "rb") as fh:
                 comm, fields = _stat_fields(fh.read())
             out[int(name)] = (comm, int(fields[9]), int(fields[1]))
         except (OSError, ValueError, IndexError):
@@ -239,12 +240,17 @@ class DiskShare:
                  faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
                  read: int = GENTLE_READ, source: str = VMSTAT,
                  start_gentle: float = 0.0, own: bool = True,
-                 own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None) -> None:
+                 own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None,
+                 proc: str = PROC) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
         self.own_source = own_source
+        # Where other processes and this one's descendants are looked for: with counters read
+        # from elsewhere (a test's), the processes must come from there too, or a real child's
+        # faults would be added to counts that are not its.
+        self.proc = proc
         self.kin = tuple(_KIN) if kin is None else kin  # counted as own (count_as_own)
         self._kin_last = dict.fromkeys(self.kin, 0)  # a process gone keeps its last count
         self._count_own = own  # False: this process's own faults are subtracted (module doc)
@@ -343,7 +349,7 @@ class DiskShare:
             kin_new = sum(self._kin_last.values()) - kin_before
             if first is None:
                 first = (count, own)
-                procs = faults_by_process()  # after the counts it starts from
+                procs = faults_by_process(self.proc)  # after the counts it starts from
             named = None
             if (samples and count - samples[-1][1] > own - samples[-1][2]
                     and self._looks < LOOKS):  # another program's? name it, or find it ours
@@ -378,7 +384,7 @@ class DiskShare:
         are its own from now on); `_named` = the other processes, not its kin either, whose
         major faults grew since `before` (most first, at most WHO); returns the new look."""
         self._looks += 1
-        now = faults_by_process()
+        now = faults_by_process(self.proc)
         me = os.getpid()
         for pid in now:
             if pid not in self._family and _descends(pid, me, now):
@@ -402,7 +408,7 @@ class DiskShare:
                 self._kin_last[path] = count
             total += self._kin_last[path]
         for pid in list(self._family):
-            count = read_own_faults(f"/proc/{pid}/stat")
+            count = read_own_faults(f"{self.proc}/{pid}/stat")
             if count is None:
                 self._family.discard(pid)
             else:
