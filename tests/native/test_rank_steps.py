@@ -180,3 +180,41 @@ def test_a_stop_signal_while_the_lock_is_taken_waits_until_it_can_be_released(
     lock = Path(f"{socket_path(sock_dir, cpu_identity(0))}.lock")
     assert seen == [True] and not lock.exists()
     assert not socket_path(sock_dir, cpu_identity(0)).exists()
+
+
+def test_a_stop_swallowed_on_the_way_still_stops_the_rank_at_its_next_step(
+        ckpt, sock_dir, monkeypatch):
+    """A SIGTERM whose `Stop` some code swallows (a bare `except:` in a library the rank
+    imports, a `__del__` the garbage collector ran just then) still stops the rank at its next
+    step, and the lock goes back: the handler clears `abandon` before it raises, so the
+    launcher's later signals were only noted, and a clean clone's rank loaded on until it was
+    killed 15 s later with its lock file left behind."""
+    import signal
+
+    from weightcache.contracts.vocabulary import EXIT_OK
+    from weightcache.native.shared.identity import cpu_identity, socket_path
+
+    monkeypatch.setattr(rank._Serving, "abandon", True)
+    monkeypatch.setattr(rank._Serving, "pending", False)
+    start = rank.start_early_reads
+    seen: list[str] = []
+
+    def start_then_swallow(*args, **kwargs):
+        try:
+            rank._on_signal(signal.SIGTERM, None)  # the signal, where a library catches all
+        except BaseException as exc:  # what such a library does
+            seen.append(type(exc).__name__)
+        rank._on_signal(signal.SIGTERM, None)  # the launcher's next one: only noted
+        return start(*args, **kwargs)
+
+    def announced(*args, **kwargs):  # the rank loaded and bound: it would serve from here
+        seen.append("announced")
+        raise rank.Stop()
+
+    monkeypatch.setattr(rank, "start_early_reads", start_then_swallow)
+    monkeypatch.setattr(rank, "announce", announced)
+    config = config_for("--model", str(ckpt), "--weight-cache-socket-dir", str(sock_dir))
+    assert rank.run(config, (None, None)) == EXIT_OK
+    assert seen == ["Stop"], "a swallowed Stop left the rank loading on"
+    path = socket_path(sock_dir, cpu_identity(0))
+    assert not Path(f"{path}.lock").exists() and not path.exists()

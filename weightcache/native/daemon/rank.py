@@ -76,6 +76,16 @@ class _Serving:
     socket's lock is being taken (`claim_socket`) nothing owns it yet to release it, so a stop
     signal then is only noted (`pending`) and raised once `_Held` holds the lock: a `Stop`
     raised in between left the lock file behind.
+
+    Every stop signal before serving is noted in `pending`, also the one that raises, and
+    `run` looks at it between its steps (`_stop_if_asked`): a `Stop` raised where some code
+    swallows it (a bare `except:` among the libraries a rank imports, say) still stops the rank
+    at its next step. Without that look, the handler had cleared `abandon`, so every later
+    signal was only noted. (Once, in a clean clone's tests, a rank sent SIGTERM while it
+    loaded ran on until the launcher killed it 15 s later, and its lock file stayed behind,
+    with nothing on its stderr. Whether its `Stop` was swallowed was not found out: 104 runs of
+    that test's two loading cases and 40 SIGTERMs at random moments of a rank's start did not
+    repeat it.)
     """
 
     server: RankServer | None = None
@@ -158,10 +168,12 @@ def run(config: RankConfig,
         from . import loading, server  # torch: only now that this rank holds its lock
 
         clock.stamp("imported")
-
+        _stop_if_asked()
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
+        _stop_if_asked()
         held.server = server.serve_shard(held.shard, config, rules, ckpt)
         held.listener = bind(config, held.path)
+        _stop_if_asked()
         announce(config, held.shard, held.path, clock, held.prefetch)
         if set_file is not None and (held.prefetch is None or held.prefetch.needs_record()):
             # For the next start, off the critical path.
@@ -305,16 +317,25 @@ def _ignore_stop_signals() -> None:
 def _on_signal(signum: int, frame: Any) -> None:
     server, listener = _Serving.server, _Serving.listener
     if server is None or listener is None:
+        _Serving.pending = True  # `run` looks at it between its steps, whatever happens below
         if _Serving.abandon:
             _Serving.abandon = False
             raise Stop()
-        _Serving.pending = True  # taking the lock, or cleaning up: `run` sees it
-        return
+        return  # taking the lock, or cleaning up: `run` sees `pending`
     server.stopping.set()
     # accept() is retried after the handler returns (PEP 475); a shut-down listener makes it
     # fail at once, and serve() sees the stop flag.
     with contextlib.suppress(OSError):
         listener.shutdown(socket.SHUT_RDWR)
+
+
+def _stop_if_asked() -> None:
+    """Between two of `run`'s steps: a stop signal came, and its `Stop` never reached `run`
+    (swallowed on the way, or only noted: `_Serving`)."""
+    if _Serving.pending:
+        _Serving.abandon = False
+        log.warning("a stop signal's Stop was lost on the way; stopping now")
+        raise Stop()
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
