@@ -118,3 +118,47 @@ def test_on_last_runs_once_after_every_thread_even_those_closed_out(close_early)
         time.sleep(0.01)
     time.sleep(0.05)  # a second call would have come by now
     assert calls == [0 if close_early else 4]
+
+
+def test_a_background_start_returns_at_once_and_its_wait_waits_for_every_thread():
+    """`start(background=True)` hands the starts to a helper (the rank's main thread goes on to
+    its import): it returns while a start is still held up, and `wait()` waits for the helper
+    to have started every thread and for their work, not only for those started so far."""
+    began: list[int] = []
+    ended: list[int] = []
+    release = threading.Event()
+
+    def target(i: int) -> None:
+        began.append(i)
+        time.sleep(0.02)
+        ended.append(i)
+
+    pool = Pool(target, 3, "bg", daemon=True)
+
+    class SlowStart(threading.Thread):
+        def start(self) -> None:
+            release.wait(5)  # a start held up (a loaded machine), the others behind it
+            super().start()
+
+    pool.threads[0] = SlowStart(target=pool._run, args=(0,), name="bg-0", daemon=True)
+    pool.start(background=True)
+    assert began == []  # returned while the first start was held
+    waiter = threading.Thread(target=pool.wait)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "wait() returned before the pool's threads were started"
+    release.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert sorted(ended) == [0, 1, 2] and pool.start_error is None
+
+
+def test_a_thread_the_background_start_cannot_start_leaves_the_others_waited_for():
+    began: list[int] = []
+    pool = Pool(lambda i: (time.sleep(0.1), began.append(i)), 2, "pool")
+    used = threading.Thread(target=lambda: None)
+    used.start()
+    used.join()
+    pool.threads[1] = used  # a thread starts once: the helper's second start() raises
+    pool.start(background=True).wait()
+    assert began == [0] and isinstance(pool.start_error, RuntimeError)

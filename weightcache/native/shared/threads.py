@@ -18,6 +18,11 @@ Holding the signals with `pthread_sigmask` while starting does not help: the pro
 threads (a test runner's, torch's) still take the signal, and CPython then runs the handler in
 the main thread at its next bytecode all the same.
 
+Starting threads costs their caller too: `Thread.start()` waits until the new thread runs.
+Beside busy threads on a 2-core machine, a rank's main thread took 0.46 s to start the 32
+early readers, in front of its `import torch`. `start(background=True)` hands the starts to
+one helper thread and returns at once; `wait()` then also waits for the helper.
+
 So a `Pool` never asks `threading` which threads run. Each thread passes a gate before its
 work, counted under the pool's lock; `close()` shuts the gate (a thread not past it yet does
 nothing at all) and waits, on that count, for the work already begun. A condition wait that a
@@ -42,6 +47,8 @@ class Pool:
         self._cond = threading.Condition()
         self._open = True
         self._launched = 0  # start() calls that returned
+        self._starting = False  # a helper thread is still starting them (background)
+        self.start_error: RuntimeError | None = None  # a thread the helper could not start
         self._finished = 0  # threads past the end of _run (their work done, or refused)
         self._working = 0  # threads inside target() now
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}",
@@ -65,18 +72,46 @@ class Pool:
             if last and self._on_last is not None:
                 self._on_last()
 
-    def start(self) -> Pool:
+    def start(self, *, background: bool = False) -> Pool:
+        """Start every thread; with `background`, on a helper thread, returning at once (the
+        module's docstring). A thread the helper cannot start (the process is out of threads)
+        ends its starting: the others work, and `start_error` says so."""
+        if not background:
+            self._launch()
+            return self
+        with self._cond:
+            self._starting = True
+        try:
+            threading.Thread(target=self._launch_all, name=f"{self.threads[0].name}-start"
+                             if self.threads else "pool-start", daemon=True).start()
+        except BaseException:
+            with self._cond:
+                self._starting = False
+                self._cond.notify_all()
+            raise
+        return self
+
+    def _launch(self) -> None:
         for t in self.threads:
             t.start()
             with self._cond:
                 self._launched += 1
-        return self
+
+    def _launch_all(self) -> None:
+        try:
+            self._launch()
+        except RuntimeError as exc:  # can't start new thread: those started still work
+            self.start_error = exc
+        finally:
+            with self._cond:
+                self._starting = False
+                self._cond.notify_all()
 
     def wait(self) -> None:
         """Until every started thread has done its work. After an exception here or in
         `start()` (a signal's), the caller tells its work to stop and calls `close()`."""
         with self._cond:
-            self._cond.wait_for(lambda: self._finished >= self._launched)
+            self._cond.wait_for(lambda: not self._starting and self._finished >= self._launched)
         self._join(None)
 
     def close(self) -> None:
