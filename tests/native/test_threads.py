@@ -81,17 +81,23 @@ def test_a_closed_pool_starts_no_work():
     assert began == [] and pool.working == 0
 
 
-def test_a_thread_that_cannot_start_leaves_the_others_waited_for():
+@pytest.mark.parametrize("background", [False, True])
+def test_a_thread_that_cannot_start_leaves_the_others_waited_for(background):
+    """In the caller, its start raises; on the background helper, `start_error` says so."""
     began: list[int] = []
     pool = Pool(lambda i: (time.sleep(0.1), began.append(i)), 2, "pool")
     used = threading.Thread(target=lambda: None)
     used.start()
     used.join()
     pool.threads[1] = used  # a thread starts once: Pool.start's second start() raises
-    with pytest.raises(RuntimeError):
-        pool.start()
+    if background:
+        pool.start(background=True)
+    else:
+        with pytest.raises(RuntimeError):
+            pool.start()
     pool.wait()  # the one that started
     assert began == [0]
+    assert isinstance(pool.start_error, RuntimeError) if background else pool.start_error is None
 
 
 
@@ -152,13 +158,3 @@ def test_a_background_start_returns_at_once_and_its_wait_waits_for_every_thread(
     assert not waiter.is_alive()
     assert sorted(ended) == [0, 1, 2] and pool.start_error is None
 
-
-def test_a_thread_the_background_start_cannot_start_leaves_the_others_waited_for():
-    began: list[int] = []
-    pool = Pool(lambda i: (time.sleep(0.1), began.append(i)), 2, "pool")
-    used = threading.Thread(target=lambda: None)
-    used.start()
-    used.join()
-    pool.threads[1] = used  # a thread starts once: the helper's second start() raises
-    pool.start(background=True).wait()
-    assert began == [0] and isinstance(pool.start_error, RuntimeError)
