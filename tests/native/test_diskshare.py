@@ -269,6 +269,7 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
                       own=False, own_source=stat, proc=NO_PROC).start()
     starting = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
                          own=True, own_source=stat, proc=NO_PROC).start()
+    assert quiet.watching.wait(30) and starting.watching.wait(30)  # their baselines: 1000, 500
     try:
         system, own = 1000, 500
         deadline = time.monotonic() + 0.6
@@ -294,27 +295,17 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
     assert sum(t[1] for t in times) >= 20 or len(times) == diskshare.TIMELINE
 
 
-def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path,
-                                                                           monkeypatch):
+def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path):
     """A rank whose import set was read whole settles its share: the start's gentle span and
     the faults seen before are forgotten at once (those pages are in memory now), while a
     fault after it makes the reads gentle again."""
     vmstat, stat = _counters(tmp_path, 1000, 0)
-    sampled = threading.Event()  # the sampler's first read is its baseline (1000 faults)
-
-    def read_and_tell(source):
-        try:
-            return read_faults(source)
-        finally:
-            if threading.current_thread().name == "diskshare":  # not __init__'s probe
-                sampled.set()
-
-    monkeypatch.setattr(diskshare, "read_faults", read_and_tell)
     share = DiskShare(interval=0.01, window=0.2, hold=5.0, start_gentle=30.0, source=vmstat,
                       own_source=stat, proc=NO_PROC).start()
     try:
-        # On a loaded machine the thread may first run after the next write: wait for it.
-        assert sampled.wait(30), "the sampler never read the counters"
+        # On a loaded machine the thread may first run after the next write: wait for its
+        # baseline (1000 faults).
+        assert share.watching.wait(30), "the sampler never read the counters"
         _counters(tmp_path, 1010, 0)  # faults beside the set: gentle for at least `hold`
         assert wait_until(lambda: share.stats()["faults"] == 10, 2)
         assert share.gentle and share.stats()["settled_at"] is None
@@ -379,7 +370,7 @@ def test_a_ranks_launcher_faults_as_its_own_and_its_exit_is_no_fault(tmp_path, m
     share = DiskShare(interval=0.01, window=0.2, faults=10, hold=0.2, source=vmstat,
                       own=False, own_source=stat, kin=(str(kin),), proc=NO_PROC).start()
     assert DiskShare(source=vmstat, own_source=stat).kin == ("/proc/4242/stat",)
-    time.sleep(0.05)  # the sampler's first look: the counts it starts from
+    assert share.watching.wait(30)  # the sampler's first look: the counts it starts from
     try:
         system, theirs = 1000, 300
         deadline = time.monotonic() + 0.5
@@ -444,7 +435,7 @@ def test_another_programs_faults_are_named_and_a_childs_count_as_our_own(cold_fi
         word, pid = proc.stdout.readline().split()
         assert word == "ready"
         share = DiskShare(own=False, hold=5.0).start()
-        time.sleep(0.2)  # the monitor's first look at /proc
+        assert share.watching.wait(30)  # the monitor's first look at /proc
         proc.stdin.write("go\n")
         proc.stdin.flush()
         word, faults = proc.stdout.readline().split()
@@ -477,7 +468,7 @@ def test_the_hold_runs_from_the_last_fault_not_from_the_end_of_its_window(tmp_pa
     share = DiskShare(interval=0.01, window=2.0, hold=0.2, source=vmstat, own=False,
                       own_source=stat, proc=NO_PROC).start()
     try:
-        time.sleep(0.1)  # the sampler's baseline
+        assert share.watching.wait(30)  # the sampler's baseline
         _counters(tmp_path, 1004, 0)
         burst = time.monotonic()
         assert wait_until(lambda: share.gentle, 2), "the burst went unseen"
@@ -509,7 +500,7 @@ def test_the_processes_a_share_names_and_adopts_come_from_its_own_proc(tmp_path)
     share = DiskShare(interval=0.01, window=0.2, hold=0.2, source=vmstat, own=False,
                       own_source=stat, proc=str(proc)).start()
     try:
-        time.sleep(0.1)  # the sampler's baseline and its first look at `proc`
+        assert share.watching.wait(30)  # the sampler's baseline and its first look at `proc`
         process(777, "ldconfig", 5, me)
         _counters(tmp_path, 1005, 0)  # the child's faults, seen as the system's first
         assert wait_until(lambda: share.stats()["own_faults"] == 5, 2), share.stats()

@@ -265,6 +265,9 @@ class DiskShare:
         self.settled_at: float | None = None  # seconds from start() to the first settle()
         self._began = time.monotonic()  # start() sets it anew: its clock counts from there
         self._thread: threading.Thread | None = None
+        # Set once the monitor has read the counts it counts from (and looked at `proc`): a
+        # fault before that is part of its baseline, never seen as one.
+        self.watching = threading.Event()
         self._local = threading.local()
         self._named: list[str] = []  # the last `_who`'s answer
         self._family: set[int] = set()  # live descendants found by `_who`
@@ -350,6 +353,7 @@ class DiskShare:
             if first is None:
                 first = (count, own)
                 procs = faults_by_process(self.proc)  # after the counts it starts from
+                self.watching.set()
             named = None
             if (samples and count - samples[-1][1] > own - samples[-1][2]
                     and self._looks < LOOKS):  # another program's? name it, or find it ours
