@@ -40,13 +40,16 @@ def _worker(began: list[int], ended: list[int], stop: threading.Event, signal_fi
     return target
 
 
-def test_a_signal_while_the_pool_starts_leaves_no_work_running_after_close(alarm):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_signal_while_the_pool_starts_leaves_no_work_running_after_close(alarm, background):
+    """In the caller's start, or while a background helper still starts the rest (the
+    signal then lands in the caller's wait): after close(), nothing works or begins."""
     began: list[int] = []
     ended: list[int] = []
     stop = threading.Event()
     pool = Pool(_worker(began, ended, stop, True), 48, "pool")
     with pytest.raises(Stop):
-        pool.start()
+        pool.start(background=background)
         pool.wait()
     stop.set()
     pool.close()

@@ -200,8 +200,10 @@ class EarlyReads:
         self.started = time.perf_counter()
         self._after, self._wait_s = after, wait_s
         count = min(self.threads, len(self._order))
-        # Started by a helper: the rank's main thread goes on to its import at once.
-        self._pool = Pool(self._work, count, "early", daemon=True).start(background=True)
+        # Started by a helper: the rank's main thread goes on to its import at once. Kept
+        # before it starts, so that `stop()` waits for it even if a signal interrupts `start`.
+        self._pool = Pool(self._work, count, "early", daemon=True)
+        self._pool.start(background=True)
         return self
 
     def _claim(self, index: int) -> _Job | None:

@@ -85,7 +85,10 @@ class Pool:
             threading.Thread(target=self._launch_all, name=f"{self.threads[0].name}-start"
                              if self.threads else "pool-start", daemon=True).start()
         except BaseException:
+            # The helper may run all the same (a signal's exception after its OS thread
+            # began): whatever it starts from now on does nothing.
             with self._cond:
+                self._open = False
                 self._starting = False
                 self._cond.notify_all()
             raise
