@@ -103,7 +103,6 @@ def test_a_thread_that_cannot_start_leaves_the_others_waited_for(background):
     assert isinstance(pool.start_error, RuntimeError) if background else pool.start_error is None
 
 
-
 @pytest.mark.parametrize("close_early", [False, True])
 def test_on_last_runs_once_after_every_thread_even_those_closed_out(close_early):
     """`on_last` runs exactly once, on the thread that ends last, after all the work (the
@@ -160,4 +159,3 @@ def test_a_background_start_returns_at_once_and_its_wait_waits_for_every_thread(
     waiter.join(5)
     assert not waiter.is_alive()
     assert sorted(ended) == [0, 1, 2] and pool.start_error is None
-
