@@ -311,3 +311,19 @@ def test_the_early_reads_go_on_beside_the_fill_and_each_job_is_read_once(tmp_pat
     assert stopped.read_bytes == 0 and stopped.stats()["beside_fill"] is False
     for e in (early, late, stopped):
         e.close()
+
+
+def test_readers_waiting_for_the_import_set_stop_at_once(tmp_path):
+    """Readers held until the import set is read (`after`, at most `wait_s`) end as soon as
+    they are stopped: a rank stopped while its set is still read exits then, not `wait_s`
+    later (`stop` waits for every reader)."""
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    files = open_checkpoint(model).files
+    never = threading.Event()
+    early = EarlyReads(files, 1 << 40, chunk=CHUNK, threads=4, direct=False).start(never, 600)
+    assert wait_until(lambda: early._pool is not None and early._pool.working == 4)
+    stopper = threading.Thread(target=early.close)
+    stopper.start()
+    stopper.join(30)  # far below the 600 s the readers would otherwise wait
+    assert not stopper.is_alive(), "the stopped readers still waited for the import set"
+    assert early.read_bytes == 0 and early._pool.working == 0

@@ -70,6 +70,7 @@ PAGE = loadenv.PAGE
 # BUFFERED_THREADS keep reading.
 DEFAULT_THREADS = 32
 BUFFERED_THREADS = 4
+STOP_POLL_S = 0.05  # how often readers waiting for `after` look whether they were stopped
 # About what the disk reads while torch starts: 8 GiB ran out before the fill began on the H200 when
 # the start took 4.4-7 s (run20, every early read budget-bound, the disk idle until the fill).
 MAX_BUDGET = 16 << 30
@@ -218,13 +219,25 @@ class EarlyReads:
                     return job
             return None
 
+    def _wait_after(self) -> None:
+        """Until `after` is set, `stop()` is called or `wait_s` pass: a rank stopped while its
+        import set is still read exits at once, not `wait_s` later (`stop` waits for the
+        readers). Polled: `threading` cannot wait for either of two events."""
+        assert self._after is not None
+        deadline = time.monotonic() + self._wait_s
+        while not self._after.is_set() and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._after.wait(min(left, STOP_POLL_S))
+
     def _work(self, index: int) -> None:
         direct_fds: dict[Path, int] = {}
         if idle_io_priority():
             self.idle_io = True
         if self._after is not None:
             t0 = time.perf_counter()
-            self._after.wait(self._wait_s)
+            self._wait_after()
             if index == 0:
                 self.waited = round(time.perf_counter() - t0, 4)
         normal = False
