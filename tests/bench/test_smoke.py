@@ -60,3 +60,7 @@ def test_the_load_sections_restart_census_runs_at_smoke_size(tmp_path) -> None:
         assert summary[f"{key}_ready_s"] > 0, key
         assert summary[f"{key}_import_prefetch"]["files"] > 0, key
     assert summary["preload_cold_model_restart_nowarm_import_prefetch"]["warm"] is False
+    # The warm restart (libraries in memory too) against a fresh process's warm `load_file`.
+    assert summary["preload_warm_again_ready_s"] > 0
+    assert summary["load_file_process_warm_s"] > 0
+    assert summary["preload_warm_again_ready_vs_load_file_process_warm"] > 0

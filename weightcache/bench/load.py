@@ -16,9 +16,12 @@ the page cache dropped and then warm, in the same run:
   disk time READY lacked against the device read's rate), and what the launcher's and the
   rank's main threads waited on (`waits`, waits.py; the summary's `*_start_waits` is the
   rank's start by class);
-then, on `sharded`: attach through the public client (zero copy, and copy end to end), a
-cProfile of the attach, attach time against tensor count and shard size (sparse files, up to
-64 GB), and engine restarts (`weightcache.bench.restart`) from the cache and from disk.
+then, on `sharded`: READY warm twice (the first after a device read that dropped every
+cache, so the rank's libraries come from disk; the second as a warm node's restart, against
+a fresh process's `load_file` with everything in memory), attach through the public client
+(zero copy, and copy end to end), a cProfile of the attach, attach time against tensor count
+and shard size (sparse files, up to 64 GB), and engine restarts (`weightcache.bench.restart`)
+from the cache and from disk.
 Figures are reported as ratios against those baselines; targets are shown, never asserted.
 The content digest's own cost (`hash`: GB/s on one core and on all of them) is measured first.
 
@@ -685,6 +688,13 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["loader_warm"] = _safe("loader warm", loader_runs, model_dir, [{}], False)
     if kind == "sharded":
         r["preload_warm"] = _safe("preload warm", preload_once, model_dir, files, False)
+        # The step above starts after a device read that dropped every cache, so its rank's
+        # libraries came from disk. A warm node's restart has them in memory as well: READY
+        # again, against a fresh process's `load_file` with everything in memory too.
+        r["preload_warm_again"] = _safe("preload warm, again (libraries in memory)",
+                                        preload_once, model_dir, files, False)
+        r["load_file_process_warm"] = _safe("load_file warm, fresh process", process_baseline,
+                                            "load_file", model_dir)
         if "warmgrid" in parts:  # the warm default (a reader per core) against 32 readers
             r["preload_warm_threads32"] = _safe(
                 "preload warm, 32 readers", preload_once, model_dir, files, False,
@@ -956,6 +966,19 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 nbytes / max(p32["load_seconds"]) / GB, 2)
         s["preload_warm_phases"] = _phases(pw)
         s["preload_warm_early"] = _early(pw)
+    pa = _get(r, "preload_warm_again", "ready")
+    if pa:
+        s["preload_warm_again_ready_s"] = pa.get("seconds")
+        again = max(pa.get("load_seconds") or [0])
+        if nbytes and again:
+            s["preload_warm_again_rank_gb_per_s"] = round(nbytes / again / GB, 2)
+        s["preload_warm_again_phases"] = _phases(pa)
+        s["preload_warm_again_start_marks"] = _get(r, "preload_warm_again", "start_marks")
+        base = _get(r, "load_file_process_warm", "seconds")
+        if base and pa.get("seconds"):
+            s["load_file_process_warm_s"] = base
+            s["preload_warm_again_ready_vs_load_file_process_warm"] = round(
+                base / pa["seconds"], 3)
     if _get(r, "attach", "attach_ms_median"):
         s["attach_ms_median"] = r["attach"]["attach_ms_median"]
         lf = s.get("load_file_warm_s")
