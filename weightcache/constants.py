@@ -72,6 +72,10 @@ ENV_EARLY_READS_WAIT = "WEIGHTCACHE_EARLY_READS_WAIT"
 # Whether a rank's early reads go on beside its fill (1, default) or stop when the fill begins
 # (0: the earlier way, kept to compare).
 ENV_EARLY_READS_BESIDE_FILL = "WEIGHTCACHE_EARLY_READS_BESIDE_FILL"
+# Whether a job the fill reaches before any early read began it is read by the early readers
+# for the fill (1, default: the disk keeps one set of readers) or by the fill itself (0: the
+# earlier way, kept to compare).
+ENV_EARLY_READS_FOR_FILL = "WEIGHTCACHE_EARLY_READS_FOR_FILL"
 # How a rank reads its import set ahead: "deep" (default: many readers, the kernel's readahead
 # asked for each range at once, the directories and sources the import looks up) or "plain"
 # (8 readers, one read at a time, file contents only: the earlier way, kept to compare).

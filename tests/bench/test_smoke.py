@@ -42,11 +42,14 @@ def test_section_runs_at_smoke_size(section: str) -> None:
         assert "Traceback" not in out, out[-4000:]
 
 
-def test_the_load_sections_restart_census_runs_at_smoke_size(tmp_path) -> None:
+def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path) -> None:
     """`census` (READY after an engine's cold start, with and without the import set's warm
-    verdict) is a GPU run's A/B: its code runs here, and the knob reaches the rank."""
+    verdict) and `fillreads` (the fill reading what it reaches first itself, or the early
+    readers for it) are a GPU run's A/Bs: their code runs here, and each knob reaches the
+    rank."""
     out = tmp_path / "load.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_LOAD_PARTS": "census",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "WEIGHTCACHE_BENCH_LOAD_PARTS": "census,fillreads",
            "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": "sharded", "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
            "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "work")}
     proc = subprocess.run(
@@ -60,6 +63,11 @@ def test_the_load_sections_restart_census_runs_at_smoke_size(tmp_path) -> None:
         assert summary[f"{key}_ready_s"] > 0, key
         assert summary[f"{key}_import_prefetch"]["files"] > 0, key
     assert summary["preload_cold_model_restart_nowarm_import_prefetch"]["warm"] is False
+    for key, default in (("preload_cold_model", True), ("preload_cold_model_fillreads", False),
+                         ("preload_cold_model_forfill_again", True),
+                         ("preload_cold_model_fillreads_again", False)):
+        assert summary[f"{key}_ready_s"] > 0, key
+        assert summary[f"{key}_early"]["for_fill"] is default, key
     # The warm restart (libraries in memory too) against a fresh process's warm `load_file`.
     assert summary["preload_warm_again_ready_s"] > 0
     assert summary["load_file_process_warm_s"] > 0

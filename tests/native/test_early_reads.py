@@ -24,6 +24,7 @@ from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
     BESIDE_ENV,
     BUDGET_ENV,
+    FOR_FILL_ENV,
     MAX_BUDGET,
     EarlyReads,
     cover_spans,
@@ -327,3 +328,104 @@ def test_readers_waiting_for_the_import_set_stop_at_once(tmp_path):
     stopper.join(30)  # far below the 600 s the readers would otherwise wait
     assert not stopper.is_alive(), "the stopped readers still waited for the import set"
     assert early.read_bytes == 0 and early._pool.working == 0
+
+
+class _FirstReadHeld(EarlyReads):
+    """Early reads whose first job waits until `go`: a reader busy at the disk when the fill
+    reaches a job no read began. (The wait is the stand-in; claiming, asking and reading are
+    the real code.)"""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.order: list[tuple[Path, int]] = []
+
+    def _read(self, job, direct_fds):
+        self.order.append((job.path, job.start))
+        if len(self.order) == 1:
+            self.entered.set()
+            self.go.wait(30)
+        return super()._read(job, direct_fds)
+
+
+def _held_reader(tmp_path) -> tuple[_FirstReadHeld, list[Path], list[tuple[int, int]]]:
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
+    files = open_checkpoint(model).files
+    drop_page_cache(files, everything=False)
+    early = _FirstReadHeld(files, 1 << 40, chunk=CHUNK, threads=1, direct=False).start()
+    assert early.entered.wait(10)  # the one reader is at its first job
+    early.accept({p: early.identities[p] for p in files})  # the fill began
+    spans = cover_spans(files[0].stat().st_size, early.span)
+    assert len(spans) >= 3
+    return early, files, spans
+
+
+def _take_in_thread(early: EarlyReads, path: Path, span: tuple[int, int]):
+    out: list = []
+    taker = threading.Thread(target=lambda: out.append(early.take(path, *span)))
+    taker.start()
+    return taker, out
+
+
+def test_a_job_the_fill_reaches_first_is_read_for_it_next_by_an_early_reader(tmp_path):
+    """The fill reaches a job no early read began while the early readers read: one of them
+    reads it next, ahead of its own order, and the fill waits for it, so the disk keeps one
+    set of readers (the fill's own reads beside the early ones made the queue deeper and the
+    disk slower). Every job is still read once, and the bytes are the file's."""
+    early, files, spans = _held_reader(tmp_path)
+    third = spans[2]
+    taker, out = _take_in_thread(early, files[0], third)
+    assert wait_until(lambda: early.stats()["asked_bytes"] == third[1] - third[0], 10)
+    time.sleep(0.1)
+    assert not out  # waiting for the early reader, not reading it itself
+    early.go.set()
+    taker.join(30)
+    assert out and out[0] is not None
+    assert bytes(out[0]) == files[0].read_bytes()[third[0] : third[1]]
+    del out[0]
+    # Read right after the job in flight, before the job the reader's order had next.
+    assert early.order[:3] == [(files[0], spans[0][0]), (files[0], third[0]),
+                               (files[0], spans[1][0])]
+    early.join()
+    stats = early.stats()
+    assert stats["claimed_bytes"] == 0 and stats["for_fill"] is True
+    assert stats["read_bytes"] == sum(f.stat().st_size for f in files)  # each job once
+    assert len(early.order) == len(set(early.order))
+    early.close()
+
+
+def test_with_the_knob_off_the_fill_reads_a_job_no_read_began_itself(tmp_path, monkeypatch):
+    """`WEIGHTCACHE_EARLY_READS_FOR_FILL=0`, the earlier way: such a job is the fill's at once,
+    even while an early reader reads, and no early read begins it."""
+    monkeypatch.setenv(FOR_FILL_ENV, "0")
+    early, files, spans = _held_reader(tmp_path)
+    third = spans[2]
+    assert early.take(files[0], *third) is None  # at once: the caller reads it
+    early.go.set()
+    early.join()
+    stats = early.stats()
+    assert stats["claimed_bytes"] == third[1] - third[0] and stats["asked_bytes"] == 0
+    assert stats["for_fill"] is False
+    assert (files[0], third[0]) not in early.order
+    assert stats["read_bytes"] == sum(f.stat().st_size for f in files) - (third[1] - third[0])
+    early.close()
+
+
+def test_a_job_asked_for_when_the_early_reads_stop_is_the_fills(tmp_path):
+    """Early reads stopped (the rank stops, or every reader ended) while the fill waits for a
+    job it asked for: the job goes back to the fill, which reads it; nothing waits forever."""
+    early, files, spans = _held_reader(tmp_path)
+    third = spans[2]
+    taker, out = _take_in_thread(early, files[0], third)
+    assert wait_until(lambda: early.stats()["asked_bytes"] > 0, 10)
+    stopper = threading.Thread(target=early.stop)
+    stopper.start()
+    assert wait_until(early._stop.is_set, 10)
+    early.go.set()  # the read in flight lands; no reader begins another
+    stopper.join(30)
+    taker.join(30)
+    assert not taker.is_alive() and out == [None]
+    stats = early.stats()
+    assert stats["claimed_bytes"] == third[1] - third[0] and stats["asked_bytes"] == 0
+    assert (files[0], third[0]) not in early.order
+    early.close()

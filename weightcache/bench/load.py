@@ -48,7 +48,10 @@ again, the early reads stopping when the fill begins, `WEIGHTCACHE_EARLY_READS_B
 then the default with the model cold again), census (READY with the model cold after an engine's
 cold start: every cache dropped, then a fresh process that imports torch and transformers and
 starts the device, the page cache a restart finds; the default, then without the import set's
-warm verdict, `WEIGHTCACHE_IMPORT_SET_WARM=0`, then the default again).
+warm verdict, `WEIGHTCACHE_IMPORT_SET_WARM=0`, then the default again), fillreads (READY with
+the model cold, the fill reading itself the jobs it reaches before any early read began them,
+`WEIGHTCACHE_EARLY_READS_FOR_FILL=0`, against the default, in turn: the earlier way, the
+default, the earlier way, after the layout's own model-cold READY).
 """
 
 from __future__ import annotations
@@ -656,6 +659,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
             r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
                                              engine_cold_start, model_dir, files)
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
+    if "fillreads" in parts:  # the fill reading what it reaches first itself: the earlier way
+        for key, env in FILL_READS_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     if "stopearly" in parts:  # the early reads stopped when the fill begins: the earlier way
         for key, env in STOP_EARLY_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -793,6 +799,12 @@ BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
 # READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
 STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
+# READY with the model cold, the fill reading itself the jobs it reaches before any early read
+# began them (earlyread.py), in turn with the default (after the layout's own model-cold READY).
+_FILL_READS_ENV = {"WEIGHTCACHE_EARLY_READS_FOR_FILL": "0"}
+FILL_READS_READY = {"preload_cold_model_fillreads": _FILL_READS_ENV,
+                    "preload_cold_model_forfill_again": {},
+                    "preload_cold_model_fillreads_again": _FILL_READS_ENV}
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
@@ -930,7 +942,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
-                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, "preload_cold_model_again"):
+                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY,
+                "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")

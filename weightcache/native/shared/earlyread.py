@@ -17,9 +17,21 @@ copying early jobs instead of reading (16 reads in flight, not 32). After `accep
 readers read at the normal I/O priority: the idle class was for the start, and a scheduler
 that honours it (mq-deadline) would put them behind the fill's own reads while the fill waits
 for them (`WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0` stops them when the fill begins, the
-earlier way, kept to compare). The early reads do not hash, and there are few of them
-(DEFAULT_THREADS): while torch imports, that one thread must keep a CPU to itself (from the
-page cache, every early read is a kernel memory copy that wants a CPU too).
+earlier way, kept to compare).
+
+A job the fill reaches before any early read began it is read for the fill by the early
+readers, next, while they read (`take` asks; `WEIGHTCACHE_EARLY_READS_FOR_FILL=0` lets the
+fill read it itself, the earlier way, kept to compare). The fill hashes and copies faster
+than the disk reads, so it catches up with the early reads' front, and from then on the
+early readers' 32 reads and the fill's own were both in flight: on an H100 VM (run44,
+`sharded`, the model cold) the disk's queue rose from about 120 requests to 190-200 and its
+rate fell from 2.9 GB/s to 2.7 for the fill's 3.6 s, where a READY whose fill claimed almost
+nothing (`single`) kept 2.94-2.97 at about 120. One set of readers keeps the disk at the
+depth it runs best at, and a job is still read once.
+
+The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
+read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
+system refuses O_DIRECT, only BUFFERED_THREADS read).
 
 Why not warm the page cache instead (what a prefetcher does): the page cache may evict what was
 read before the fill wants it, and buffered reads from many threads defeat readahead. Here each
@@ -47,6 +59,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,14 +90,24 @@ MAX_BUDGET = 16 << 30
 MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fill's readers do
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
 BESIDE_ENV = constants.ENV_EARLY_READS_BESIDE_FILL
+FOR_FILL_ENV = constants.ENV_EARLY_READS_FOR_FILL
 
 
 def beside_fill() -> bool:
     """`WEIGHTCACHE_EARLY_READS_BESIDE_FILL`: 1 (default) lets the early reads go on beside the
     fill; 0 stops them when it begins (the earlier way, kept to compare). A bad value is the
     default: a knob that only tunes speed never fails a start."""
-    text = os.environ.get(BESIDE_ENV, "").strip().lower()
-    return text not in {"0", "false", "no"}
+    return _flag(BESIDE_ENV)
+
+
+def for_fill() -> bool:
+    """`WEIGHTCACHE_EARLY_READS_FOR_FILL`: 1 (default) has the early readers read a job the
+    fill reaches first, for it; 0 lets the fill read it itself. A bad value is the default."""
+    return _flag(FOR_FILL_ENV)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in {"0", "false", "no"}
 
 
 def span_of(chunk: int) -> int:
@@ -130,7 +153,9 @@ class _Job:
     start: int
     end: int
     at: int  # offset of the job's first byte in the mapping (page-aligned)
-    state: int = 0  # 0 waiting, 1 reading, 2 done, 3 dropped, 4 the fill's (it reads it)
+    # 0 waiting, 1 reading, 2 done, 3 dropped, 4 the fill's (it reads it), 5 asked for by the
+    # fill (an early reader reads it next)
+    state: int = 0
 
 
 class EarlyReads:
@@ -154,6 +179,10 @@ class EarlyReads:
         self._stop = threading.Event()
         self._accepted = False  # the fill began (`accept`): normal priority, claims shared
         self.beside = beside_fill()  # go on beside the fill, or stop when it begins
+        self.for_fill = for_fill()  # read the jobs the fill reaches first, for it
+        self._asked: deque[_Job] = deque()  # such jobs, read before any other
+        self._reading = 0  # readers past their wait for `after` and not yet done
+        self.asked_bytes = 0  # read for the fill, asked by it
         self.after_accept_bytes = 0  # read beside the fill
         self.claimed_bytes = 0  # jobs the fill claimed before any early read began them
         self._pool: Pool | None = None
@@ -211,6 +240,11 @@ class EarlyReads:
         with self._lock:
             if self.direct is False and index >= BUFFERED_THREADS:
                 return None
+            while self._asked and not self._stop.is_set():
+                job = self._asked.popleft()
+                if job.state == 5:  # else the fill took it back (`take`)
+                    job.state = 1
+                    return job
             while not self._stop.is_set() and self._next < len(self._order):
                 job = self._order[self._next]
                 self._next += 1
@@ -241,6 +275,8 @@ class EarlyReads:
             if index == 0:
                 self.waited = round(time.perf_counter() - t0, 4)
         normal = False
+        with self._lock:
+            self._reading += 1
         try:
             while (job := self._claim(index)) is not None:
                 if self._accepted and not normal:  # the start is over: read as the fill does
@@ -257,6 +293,9 @@ class EarlyReads:
                         job.state = 2 if ok and job.path not in self._refused else 3
                         self._lock.notify_all()
         finally:
+            with self._lock:  # a job asked for now is the fill's (`take`)
+                self._reading -= 1
+                self._lock.notify_all()
             for fd in direct_fds.values():
                 os.close(fd)
 
@@ -330,7 +369,8 @@ class EarlyReads:
                 "resident_bytes": self.resident_bytes, "idle_io": self.idle_io,
                 "seconds": round(self.seconds, 3), "waited_seconds": self.waited,
                 "after_accept_bytes": self.after_accept_bytes,
-                "claimed_bytes": self.claimed_bytes, "beside_fill": self.beside,
+                "claimed_bytes": self.claimed_bytes, "asked_bytes": self.asked_bytes,
+                "for_fill": self.for_fill, "beside_fill": self.beside,
                 "first_read_at": self.first_read_at, "first_landed_at": self.first_landed_at}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
@@ -360,18 +400,33 @@ class EarlyReads:
             job = self._jobs.get((path, start, end))
             return job is not None and job.state in (1, 2) and path not in self._refused
 
+    def _serving_fill(self) -> bool:
+        """Whether a reader will read a job the fill asks for (under the lock)."""
+        return self.for_fill and self._reading > 0 and not self._stop.is_set()
+
     def take(self, path: Path, start: int, end: int) -> np.ndarray | None:
         """The bytes [start, end) of `path`, once; None if they were not read, and then the
         job is the caller's: no early read begins it any more (the fill reads it). A read
         still in flight is waited for: it is already at the disk, and the fill's own would
-        queue behind it."""
+        queue behind it. A job no read began is read next by an early reader while any
+        reads (module docstring), and waited for like one in flight; once none reads (all
+        done, or stopped), it is the caller's."""
         with self._lock:
             job = self._jobs.get((path, start, end))
             if job is not None and job.state == 0:
-                job.state = 4
-                self.claimed_bytes += end - start
-                return None
-            while job is not None and job.state == 1:
+                if not self._serving_fill():
+                    job.state = 4
+                    self.claimed_bytes += end - start
+                    return None
+                job.state = 5
+                self._asked.append(job)
+                self.asked_bytes += end - start
+            while job is not None and job.state in (1, 5):
+                if job.state == 5 and not self._serving_fill():
+                    job.state = 4  # nobody reads any more: the fill's own
+                    self.asked_bytes -= end - start
+                    self.claimed_bytes += end - start
+                    return None
                 self._lock.wait()
             if job is None or job.state != 2 or self._map is None:
                 return None
