@@ -72,3 +72,27 @@ def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path
     assert summary["preload_warm_again_ready_s"] > 0
     assert summary["load_file_process_warm_s"] > 0
     assert summary["preload_warm_again_ready_vs_load_file_process_warm"] > 0
+
+
+def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
+    """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
+    parts asked for, none of the baselines or warm steps."""
+    out = tmp_path / "load.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "WEIGHTCACHE_BENCH_LOAD_PARTS": "lean,fillreads",
+           "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": "many", "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
+           "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "work")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", "load"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    layout = json.loads(out.read_text())["layouts"]["many"]
+    summary = layout["summary"]
+    assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
+    for key in ("preload_cold_model", "preload_cold_model_fillreads",
+                "preload_cold_model_forfill_again", "preload_cold_model_fillreads_again"):
+        assert summary[f"{key}_ready_vs_device_read"] > 0, key
+    for key in ("load_file_cold", "from_pretrained_cold", "loader_cold", "preload_cold",
+                "load_file_process_cold", "load_file_warm", "preload_warm"):
+        assert key not in layout, key

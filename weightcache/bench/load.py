@@ -51,7 +51,9 @@ starts the device, the page cache a restart finds; the default, then without the
 warm verdict, `WEIGHTCACHE_IMPORT_SET_WARM=0`, then the default again), fillreads (READY with
 the model cold, the fill reading itself the jobs it reaches before any early read began them,
 `WEIGHTCACHE_EARLY_READS_FOR_FILL=0`, against the default, in turn: the earlier way, the
-default, the earlier way, after the layout's own model-cold READY).
+default, the earlier way, after the layout's own model-cold READY), and lean (only the two
+device reads, READY with the model cold and the other parts' model-cold A/Bs: a short GPU call
+for a comparison; before them, where the node has no import set yet, one READY that writes it).
 """
 
 from __future__ import annotations
@@ -608,13 +610,40 @@ def restart_figures(model: Path, files: list[Path]) -> dict[str, Any]:
 def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> dict[str, Any]:
     files = g._files(model_dir)
     r: dict[str, Any] = {}
-    nbytes = None
-    full = kind == "sharded"  # warm preload, cat and the grid on the main layout only
+    # `lean`: only the device reads, READY with the model cold and the parts' A/Bs (a GPU
+    # call's minutes for the comparison itself).
+    lean = "lean" in parts
+    full = kind == "sharded" and not lean  # warm preload, cat and the grid on the main layout
     if full:
         drop(files)
         r["cat_cold"] = _safe("cat cold", cat_read, files)
     drop(files)
     r["direct_cold"] = _safe("32x64MiB O_DIRECT cold", g.raw_read_rate, files, 32, True)
+    if not lean:
+        _baselines_and_cold(r, model_dir, files, parts, grid, full)
+    elif (found := _import_set()) is not None and not found.exists():
+        # The comparison's READYs are restarts: a node's first start writes the set first.
+        r["preload_cold_model_first_start"] = _safe("preload, model cold, a node's first start",
+                                                    preload_once, model_dir, files, "model")
+    r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
+                                    "model")
+    _model_cold_parts(r, model_dir, files, parts, full, grid)
+    # The device read once more, after the cold steps: one read of a virtual disk varied by
+    # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
+    # READY is compared with the faster of the two.
+    drop(files)
+    r["direct_cold_again"] = _safe("32x64MiB O_DIRECT cold, again", g.raw_read_rate, files,
+                                   32, True)
+    if not lean:
+        _warm_steps(r, kind, model_dir, files, parts)
+    return _attach_restart_summary(r, kind, model_dir, files, parts)
+
+
+def _baselines_and_cold(r: dict[str, Any], model_dir: Path, files: list[Path], parts: set[str],
+                        grid: bool, full: bool) -> None:
+    """The in-process baselines and the loader cold, then READY with every cache dropped
+    (a node's first start on the main layout), the fresh-process baselines, and the parts
+    that run with every cache dropped."""
     drop(files)
     r["load_file_cold"] = _safe("load_file cold", load_file_once, files)
     drop(files)
@@ -650,10 +679,12 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_no_early"] = _safe("preload cold, early reads off", preload_once,
                                            model_dir, files, True,
                                            {"WEIGHTCACHE_LOAD_EARLY_MIB": "0"})
-    # Only the model cold: the rank's libraries in the page cache, as the baselines' own
-    # process has them (it imported torch before they ran), on every layout.
-    r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
-                                    "model")
+
+
+def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
+                      parts: set[str], full: bool, grid: bool) -> None:
+    """The parts' A/Bs of READY with only the model cold (the rank's libraries in the page
+    cache, as the baselines' own process has them), after the layout's own such READY."""
     if "census" in parts and _import_set() is not None:  # a restart's set, partly out
         for key, env in CENSUS_READY.items():
             r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
@@ -682,12 +713,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         r["preload_cold_model_no_early"] = _safe(
             "preload, model cold, early reads off", preload_once, model_dir, files, "model",
             {"WEIGHTCACHE_LOAD_EARLY_MIB": "0"})
-    # The device read once more, after the cold steps: one read of a virtual disk varied by
-    # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
-    # READY is compared with the faster of the two.
-    drop(files)
-    r["direct_cold_again"] = _safe("32x64MiB O_DIRECT cold, again", g.raw_read_rate, files,
-                                   32, True)
+
+
+def _warm_steps(r: dict[str, Any], kind: str, model_dir: Path, files: list[Path],
+                parts: set[str]) -> None:
+    """The warm baselines, the loader warm, and on `sharded` READY warm (twice)."""
     g._warm(files)
     r["load_file_warm"] = _safe("load_file warm", load_file_once, files)
     r["from_pretrained_warm"] = _safe("from_pretrained warm", from_pretrained, model_dir)
@@ -705,6 +735,11 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
             r["preload_warm_threads32"] = _safe(
                 "preload warm, 32 readers", preload_once, model_dir, files, False,
                 {"WEIGHTCACHE_LOAD_THREADS": "32"})
+
+
+def _attach_restart_summary(r: dict[str, Any], kind: str, model_dir: Path, files: list[Path],
+                            parts: set[str]) -> dict[str, Any]:
+    nbytes = None
     with contextlib.suppress(Exception):
         nbytes = r["loader_warm"][0]["nbytes"]
     if kind == "sharded" and "attach" in parts and nbytes and _cuda():
