@@ -348,11 +348,18 @@ class _FirstReadHeld(EarlyReads):
         return super()._read(job, direct_fds)
 
 
-def _held_reader(tmp_path) -> tuple[_FirstReadHeld, list[Path], list[tuple[int, int]]]:
+def _held_reader(tmp_path, direct: bool = True
+                 ) -> tuple[_FirstReadHeld, list[Path], list[tuple[int, int]]]:
     model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
     files = open_checkpoint(model).files
     drop_page_cache(files, everything=False)
-    early = _FirstReadHeld(files, 1 << 40, chunk=CHUNK, threads=1, direct=False).start()
+    if direct:
+        try:
+            fd = os.open(files[0], os.O_RDONLY | os.O_DIRECT)
+            os.close(fd)
+        except OSError:
+            pytest.skip("the file system refuses O_DIRECT")
+    early = _FirstReadHeld(files, 1 << 40, chunk=CHUNK, threads=1, direct=direct).start()
     assert early.entered.wait(10)  # the one reader is at its first job
     early.accept({p: early.identities[p] for p in files})  # the fill began
     spans = cover_spans(files[0].stat().st_size, early.span)
@@ -394,18 +401,22 @@ def test_a_job_the_fill_reaches_first_is_read_for_it_next_by_an_early_reader(tmp
     early.close()
 
 
-def test_with_the_knob_off_the_fill_reads_a_job_no_read_began_itself(tmp_path, monkeypatch):
-    """`WEIGHTCACHE_EARLY_READS_FOR_FILL=0`, the earlier way: such a job is the fill's at once,
-    even while an early reader reads, and no early read begins it."""
-    monkeypatch.setenv(FOR_FILL_ENV, "0")
-    early, files, spans = _held_reader(tmp_path)
+@pytest.mark.parametrize("why", ["knob off", "no O_DIRECT"])
+def test_the_fill_reads_a_job_no_read_began_itself(tmp_path, monkeypatch, why):
+    """With `WEIGHTCACHE_EARLY_READS_FOR_FILL=0` (the earlier way), and where the early reads
+    are buffered (a file system that refuses O_DIRECT: a few readers, not the fill's 32),
+    such a job is the fill's at once, even while an early reader reads, and no early read
+    begins it."""
+    if why == "knob off":
+        monkeypatch.setenv(FOR_FILL_ENV, "0")
+    early, files, spans = _held_reader(tmp_path, direct=why != "no O_DIRECT")
     third = spans[2]
     assert early.take(files[0], *third) is None  # at once: the caller reads it
     early.go.set()
     early.join()
     stats = early.stats()
     assert stats["claimed_bytes"] == third[1] - third[0] and stats["asked_bytes"] == 0
-    assert stats["for_fill"] is False
+    assert stats["for_fill"] is (why != "knob off")
     assert (files[0], third[0]) not in early.order
     assert stats["read_bytes"] == sum(f.stat().st_size for f in files) - (third[1] - third[0])
     early.close()

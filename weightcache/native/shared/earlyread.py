@@ -27,7 +27,8 @@ early readers' 32 reads and the fill's own were both in flight: on an H100 VM (r
 `sharded`, the model cold) the disk's queue rose from about 120 requests to 190-200 and its
 rate fell from 2.9 GB/s to 2.7 for the fill's 3.6 s, where a READY whose fill claimed almost
 nothing (`single`) kept 2.94-2.97 at about 120. One set of readers keeps the disk at the
-depth it runs best at, and a job is still read once.
+depth it runs best at, and a job is still read once. (Not where the file system refuses
+O_DIRECT: there the few buffered early readers would be the fill's only ones.)
 
 The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
 read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
@@ -401,8 +402,11 @@ class EarlyReads:
             return job is not None and job.state in (1, 2) and path not in self._refused
 
     def _serving_fill(self) -> bool:
-        """Whether a reader will read a job the fill asks for (under the lock)."""
-        return self.for_fill and self._reading > 0 and not self._stop.is_set()
+        """Whether a reader will read a job the fill asks for (under the lock). Not where the
+        file system refuses O_DIRECT: then only BUFFERED_THREADS read early, fewer than the
+        fill's readers."""
+        return (self.for_fill and self.direct is not False and self._reading > 0
+                and not self._stop.is_set())
 
     def take(self, path: Path, start: int, end: int) -> np.ndarray | None:
         """The bytes [start, end) of `path`, once; None if they were not read, and then the
