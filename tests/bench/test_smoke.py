@@ -42,22 +42,27 @@ def test_section_runs_at_smoke_size(section: str) -> None:
         assert "Traceback" not in out, out[-4000:]
 
 
-def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path) -> None:
-    """`census` (READY after an engine's cold start, with and without the import set's warm
-    verdict) and `fillreads` (the fill reading what it reaches first itself, or the early
-    readers for it) are a GPU run's A/Bs: their code runs here, and each knob reaches the
-    rank."""
+def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
+    """`weightcache bench --device cpu --smoke load` with these parts on one layout: its
+    report's entry for the layout."""
     out = tmp_path / "load.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "WEIGHTCACHE_BENCH_LOAD_PARTS": "census,fillreads",
-           "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": "sharded", "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_LOAD_PARTS": parts,
+           "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": layout, "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
            "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "work")}
     proc = subprocess.run(
         [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", "load"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    summary = json.loads(out.read_text())["layouts"]["sharded"]["summary"]
+    return json.loads(out.read_text())["layouts"][layout]
+
+
+def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path) -> None:
+    """`census` (READY after an engine's cold start, with and without the import set's warm
+    verdict) and `fillreads` (the fill reading what it reaches first itself, or the early
+    readers for it) are a GPU run's A/Bs: their code runs here, and each knob reaches the
+    rank."""
+    summary = _smoke_load(tmp_path, "census,fillreads", "sharded")["summary"]
     for key in ("preload_cold_model_restart", "preload_cold_model_restart_nowarm",
                 "preload_cold_model_restart_again"):
         assert summary[f"{key}_ready_s"] > 0, key
@@ -77,17 +82,7 @@ def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path
 def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
     """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
     parts asked for, none of the baselines or warm steps."""
-    out = tmp_path / "load.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "WEIGHTCACHE_BENCH_LOAD_PARTS": "lean,fillreads",
-           "WEIGHTCACHE_BENCH_LOAD_LAYOUTS": "many", "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
-           "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "work")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", "load"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    layout = json.loads(out.read_text())["layouts"]["many"]
+    layout = _smoke_load(tmp_path, "lean,fillreads", "many")
     summary = layout["summary"]
     assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
     for key in ("preload_cold_model", "preload_cold_model_fillreads",
