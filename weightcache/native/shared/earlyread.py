@@ -27,8 +27,9 @@ early readers' 32 reads and the fill's own were both in flight: on an H100 VM (r
 `sharded`, the model cold) the disk's queue rose from about 120 requests to 190-200 and its
 rate fell from 2.9 GB/s to 2.7 for the fill's 3.6 s, where a READY whose fill claimed almost
 nothing (`single`) kept 2.94-2.97 at about 120. One set of readers keeps the disk at the
-depth it runs best at, and a job is still read once. (Not where the file system refuses
-O_DIRECT: there the few buffered early readers would be the fill's only ones.)
+depth it ran best at there, and a job is still read once (`weightcache bench load`'s
+`fillreads` part is the A/B). Not where the file system refuses O_DIRECT: there the few
+buffered early readers would be the fill's only ones.
 
 The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
 read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
