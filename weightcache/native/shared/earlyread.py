@@ -99,17 +99,13 @@ def beside_fill() -> bool:
     """`WEIGHTCACHE_EARLY_READS_BESIDE_FILL`: 1 (default) lets the early reads go on beside the
     fill; 0 stops them when it begins (the earlier way, kept to compare). A bad value is the
     default: a knob that only tunes speed never fails a start."""
-    return _flag(BESIDE_ENV)
+    return loadenv.flag(BESIDE_ENV, True)
 
 
 def for_fill() -> bool:
     """`WEIGHTCACHE_EARLY_READS_FOR_FILL`: 1 (default) has the early readers read a job the
     fill reaches first, for it; 0 lets the fill read it itself. A bad value is the default."""
-    return _flag(FOR_FILL_ENV)
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in {"0", "false", "no"}
+    return loadenv.flag(FOR_FILL_ENV, True)
 
 
 def span_of(chunk: int) -> int:

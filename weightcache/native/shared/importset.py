@@ -74,7 +74,7 @@ from typing import Any
 
 from weightcache import constants
 
-from . import libc
+from . import libc, loadenv
 from .residency import resident, resident_pages
 from .threads import Pool
 
@@ -165,21 +165,21 @@ def import_waits() -> bool:
     """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 imports torch once the set is read (at most the early
     reads' wait), so that the import finds its pages in memory instead of faulting on the ones
     the prefetch has not reached; 0 (default) imports beside the read."""
-    return _flag(WAIT_ENV, False)
+    return loadenv.flag(WAIT_ENV, False)
 
 
 def early_reads_wait() -> bool:
     """`WEIGHTCACHE_EARLY_READS_WAIT`: 1 (default) starts a rank's early reads once its set is
     read; 0 starts them at once, gentle (diskshare.py) until it is, so that the disk is not
     idle while the set is read from memory or from many small files."""
-    return _flag(EARLY_WAIT_ENV, True)
+    return loadenv.flag(EARLY_WAIT_ENV, True)
 
 
 def warm_verdicts() -> bool:
     """`WEIGHTCACHE_IMPORT_SET_WARM`: 1 (default) lets a census that finds the set in memory
     but for a small part start the early reads at once (`Prefetch._check_then_read`); 0 reads
     the whole set first, as on a cold node (the earlier way, kept to compare)."""
-    return _flag(WARM_ENV, True)
+    return loadenv.flag(WARM_ENV, True)
 
 
 def deep_prefetch() -> bool:
@@ -188,15 +188,6 @@ def deep_prefetch() -> bool:
     return os.environ.get(PREFETCH_ENV, "").strip().lower() != "plain"
 
 
-def _flag(name: str, default: bool) -> bool:
-    """A yes/no knob; a bad value is the default: a knob that only tunes speed never fails a
-    start."""
-    text = os.environ.get(name, "").strip().lower()
-    if text in {"1", "true", "yes"}:
-        return True
-    if text in {"0", "false", "no"}:
-        return False
-    return default
 
 
 def set_path() -> Path | None:

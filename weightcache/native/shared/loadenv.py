@@ -62,6 +62,17 @@ def yield_mode(value: str | None) -> bool:
     raise ValueError(f"{YIELD_ENV}={value!r}: use auto or off")
 
 
+def flag(name: str, default: bool) -> bool:
+    """A yes/no knob (1/true/yes, 0/false/no); a bad value is the default: a knob that only
+    tunes speed never fails a start."""
+    text = os.environ.get(name, "").strip().lower()
+    if text in {"1", "true", "yes"}:
+        return True
+    if text in {"0", "false", "no"}:
+        return False
+    return default
+
+
 def whole_number(name: str, value: str, minimum: int, hint: str = "a whole number") -> int:
     """`value` as an int of at least `minimum`; ValueError naming the knob otherwise."""
     try:
