@@ -940,6 +940,12 @@ def _disk_short(timeline: dict[str, Any] | None, r: dict[str, Any]) -> float | N
                      for row in timeline["rows"]), 2)
 
 
+def _rank_gb_per_s(ready: dict[str, Any], nbytes: int | None) -> float | None:
+    """The slowest rank's fill rate of a READY, GB/s (None without bytes or seconds)."""
+    seconds = max(ready.get("load_seconds") or [0])
+    return round(nbytes / seconds / GB, 2) if nbytes and seconds else None
+
+
 def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     s: dict[str, Any] = {}
     reads = [_get(r, key, "seconds") for key in DEVICE_READS]
@@ -1003,23 +1009,21 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     pw = _get(r, "preload_warm", "ready")
     if pw:
         s["preload_warm_rank_load_s"] = max(pw.get("load_seconds") or [0])
-        if nbytes and s["preload_warm_rank_load_s"]:
-            s["preload_warm_rank_gb_per_s"] = round(nbytes / s["preload_warm_rank_load_s"] / GB, 2)
+        if (rate := _rank_gb_per_s(pw, nbytes)) is not None:
+            s["preload_warm_rank_gb_per_s"] = rate
         s["preload_warm_ready_s"] = pw.get("seconds")
         s["preload_warm_threads"] = (_rank0(pw).get("loader") or {}
                                      ).get("threads")
         p32 = _get(r, "preload_warm_threads32", "ready")
-        if p32 and nbytes and max(p32.get("load_seconds") or [0]):
-            s["preload_warm_threads32_rank_gb_per_s"] = round(
-                nbytes / max(p32["load_seconds"]) / GB, 2)
+        if p32 and (rate := _rank_gb_per_s(p32, nbytes)) is not None:
+            s["preload_warm_threads32_rank_gb_per_s"] = rate
         s["preload_warm_phases"] = _phases(pw)
         s["preload_warm_early"] = _early(pw)
     pa = _get(r, "preload_warm_again", "ready")
     if pa:
         s["preload_warm_again_ready_s"] = pa.get("seconds")
-        again = max(pa.get("load_seconds") or [0])
-        if nbytes and again:
-            s["preload_warm_again_rank_gb_per_s"] = round(nbytes / again / GB, 2)
+        if (rate := _rank_gb_per_s(pa, nbytes)) is not None:
+            s["preload_warm_again_rank_gb_per_s"] = rate
         s["preload_warm_again_phases"] = _phases(pa)
         s["preload_warm_again_start_marks"] = _get(r, "preload_warm_again", "start_marks")
         base = _get(r, "load_file_process_warm", "seconds")
