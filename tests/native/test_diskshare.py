@@ -7,6 +7,7 @@ does while an engine imports its libraries beside a loading daemon.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import resource
@@ -220,8 +221,10 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
                          "fault_times", "settled_at"}
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
-    # A rank's early reads start gentle: at least that switch, and its time, are counted.
-    assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
+    # A rank's early reads start gentle: at least that switch is counted, and its time unless
+    # the import set's census settled the share at once (the set was in memory).
+    assert disk["gentle_switches"] >= 1
+    assert disk["gentle_seconds"] > 0 or disk["settled_at"] is not None
 
 
 # Where shares on made-up counters look for processes: nowhere. With the real /proc, a sample
@@ -321,6 +324,45 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
     finally:
         stats = share.stop()
     assert stats["faults"] == 11 and 0 <= stats["settled_at"] < 5
+
+
+def test_a_settle_while_the_sampler_looks_is_not_undone_by_that_look(tmp_path):
+    """A rank settles its share at its first moment (its import set found in memory), while
+    the sampler is in the middle of its first look, whose verdict is the start's gentle span.
+    That verdict is older than the settle and must not be applied: on an H100 VM it held the
+    early reads gentle for the whole span, because the rank's `import torch` held the GIL and
+    put the next look off. Here the look is held at the counters' read (a FIFO) until the
+    settle is done."""
+    fifo = tmp_path / "vmstat.fifo"
+    os.mkfifo(fifo)
+    _, stat = _counters(tmp_path, 1000, 0)
+
+    def feed() -> None:  # one read of the counters: open blocks until the reader opens
+        with open(fifo, "w") as fh:
+            fh.write("pgmajfault 1000\npswpin 0\n")
+
+    threading.Thread(target=feed, daemon=True).start()  # the share's check at construction
+    share = DiskShare(interval=0.01, window=0.2, hold=1.0, start_gentle=30.0, source=str(fifo),
+                      own_source=stat, proc=NO_PROC)
+    assert share.available
+    share.start()
+    try:
+        assert share.gentle  # the start's span
+        with open(fifo, "w") as fh:  # returns once the sampler opened it: its look has begun
+            share.settle()
+            assert not share.gentle
+            fh.write("pgmajfault 1000\npswpin 0\n")
+        assert share.watching.wait(10), "the sampler never read the counters"
+        # Its next look waits at the FIFO: whatever this look decided stays until then.
+        assert not wait_until(lambda: share.gentle, 0.5), \
+            "a look begun before settle() made the share gentle again"
+    finally:
+        unblock = threading.Thread(target=lambda: [feed() for _ in range(3)], daemon=True)
+        unblock.start()
+        share.stop()
+        with contextlib.suppress(OSError):  # a feed left waiting for a reader
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    assert share.stats()["gentle_seconds"] < 0.2
 
 
 def test_a_held_share_stays_gentle_without_faults_until_settled_or_let_go(tmp_path):

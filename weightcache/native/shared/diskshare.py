@@ -380,7 +380,14 @@ class DiskShare:
                 if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
                     last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
-            self._set(self._held or now - last_busy < self.hold, now)
+            with self._cond:
+                # A settle() since this sample's look at it decided already: full, at once.
+                # Applied over it, this sample's verdict (the start's gentle span, say) stood
+                # until the next sample, and a rank's `import torch`, holding the GIL for
+                # 0.2-0.4 s at a time, put that sample off: on an H100 VM a share settled at
+                # its first moment read gentle for 0.5 s, the whole span (run47).
+                if self._settled == settled:
+                    self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
 
     def _who(self, before: dict[int, tuple[str, int, int]]) -> dict[int, tuple[str, int, int]]:
