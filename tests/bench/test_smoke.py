@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from weightcache.bench.report import SECTIONS
+from weightcache.native.shared.earlyread import READ_JOBS
 
 # Sections that measure a GPU and say so on CPU; every other section must really run here.
 CUDA_ONLY = {"gpu"}
@@ -57,22 +58,27 @@ def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
     return json.loads(out.read_text())["layouts"][layout]
 
 
-def test_the_load_sections_census_and_fillreads_parts_run_at_smoke_size(tmp_path) -> None:
+def test_the_load_sections_census_fillreads_and_readjobs_parts_run_at_smoke_size(tmp_path):
     """`census` (READY after an engine's cold start, with and without the import set's warm
-    verdict) and `fillreads` (the fill reading what it reaches first itself, or the early
-    readers for it) are a GPU run's A/Bs: their code runs here, and each knob reaches the
-    rank."""
-    summary = _smoke_load(tmp_path, "census,fillreads", "sharded")["summary"]
+    verdict), `fillreads` (the fill reading what it reaches first itself, or the early
+    readers for it) and `readjobs` (one job or several per early read call) are a GPU run's
+    A/Bs: their code runs here, and each knob reaches the rank."""
+    summary = _smoke_load(tmp_path, "census,fillreads,readjobs", "sharded")["summary"]
     for key in ("preload_cold_model_restart", "preload_cold_model_restart_nowarm",
                 "preload_cold_model_restart_again"):
         assert summary[f"{key}_ready_s"] > 0, key
         assert summary[f"{key}_import_prefetch"]["files"] > 0, key
     assert summary["preload_cold_model_restart_nowarm_import_prefetch"]["warm"] is False
-    for key, default in (("preload_cold_model", True), ("preload_cold_model_fillreads", False),
-                         ("preload_cold_model_forfill_again", True),
-                         ("preload_cold_model_fillreads_again", False)):
+    for key, asked, jobs in (("preload_cold_model", False, READ_JOBS),
+                             ("preload_cold_model_forfill", True, READ_JOBS),
+                             ("preload_cold_model_fillreads_again", False, READ_JOBS),
+                             ("preload_cold_model_forfill_again", True, READ_JOBS),
+                             ("preload_cold_model_onejob", False, 1),
+                             ("preload_cold_model_readjobs_again", False, READ_JOBS),
+                             ("preload_cold_model_onejob_again", False, 1)):
         assert summary[f"{key}_ready_s"] > 0, key
-        assert summary[f"{key}_early"]["for_fill"] is default, key
+        assert summary[f"{key}_early"]["for_fill"] is asked, key
+        assert summary[f"{key}_early"]["read_jobs"] == jobs, key
     # The warm restart (libraries in memory too) against a fresh process's warm `load_file`.
     assert summary["preload_warm_again_ready_s"] > 0
     assert summary["load_file_process_warm_s"] > 0
@@ -85,8 +91,8 @@ def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparis
     layout = _smoke_load(tmp_path, "lean,fillreads", "many")
     summary = layout["summary"]
     assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
-    for key in ("preload_cold_model", "preload_cold_model_fillreads",
-                "preload_cold_model_forfill_again", "preload_cold_model_fillreads_again"):
+    for key in ("preload_cold_model", "preload_cold_model_forfill",
+                "preload_cold_model_fillreads_again", "preload_cold_model_forfill_again"):
         assert summary[f"{key}_ready_vs_device_read"] > 0, key
     for key in ("load_file_cold", "from_pretrained_cold", "loader_cold", "preload_cold",
                 "load_file_process_cold", "load_file_warm", "preload_warm"):

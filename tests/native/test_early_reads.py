@@ -8,6 +8,7 @@ read again (never the old bytes, never the old digests).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from weightcache.native.engine.attach import query
 from weightcache.native.shared import content
@@ -26,9 +29,13 @@ from weightcache.native.shared.earlyread import (
     BUDGET_ENV,
     FOR_FILL_ENV,
     MAX_BUDGET,
+    READ_JOBS,
+    READ_JOBS_ENV,
     EarlyReads,
+    _pieces,
     cover_spans,
     default_budget,
+    read_fully,
 )
 from weightcache.native.shared.loader import plan_layout
 from weightcache.native.shared.residency import resident_pages
@@ -339,13 +346,14 @@ class _FirstReadHeld(EarlyReads):
         super().__init__(*args, **kwargs)
         self.entered, self.go = threading.Event(), threading.Event()
         self.order: list[tuple[Path, int]] = []
+        self.read_jobs = 1  # the held read is the first job alone (`_follow`)
 
-    def _read(self, job, direct_fds):
-        self.order.append((job.path, job.start))
+    def _read(self, jobs, direct_fds):
+        self.order.extend((job.path, job.start) for job in jobs)
         if len(self.order) == 1:
             self.entered.set()
             self.go.wait(30)
-        return super()._read(job, direct_fds)
+        return super()._read(jobs, direct_fds)
 
 
 def _held_reader(tmp_path, direct: bool = True
@@ -374,11 +382,13 @@ def _take_in_thread(early: EarlyReads, path: Path, span: tuple[int, int]):
     return taker, out
 
 
-def test_a_job_the_fill_reaches_first_is_read_for_it_next_by_an_early_reader(tmp_path):
-    """The fill reaches a job no early read began while the early readers read: one of them
-    reads it next, ahead of its own order, and the fill waits for it, so the disk keeps one
-    set of readers (the fill's own reads beside the early ones made the queue deeper and the
-    disk slower). Every job is still read once, and the bytes are the file's."""
+def test_a_job_the_fill_reaches_first_is_read_for_it_next_by_an_early_reader(tmp_path,
+                                                                             monkeypatch):
+    """With `WEIGHTCACHE_EARLY_READS_FOR_FILL=1`, the fill reaches a job no early read began
+    while the early readers read: one of them reads it next, ahead of its own order, and the
+    fill waits for it, so the disk keeps one set of readers. Every job is still read once,
+    and the bytes are the file's."""
+    monkeypatch.setenv(FOR_FILL_ENV, "1")
     early, files, spans = _held_reader(tmp_path)
     third = spans[2]
     taker, out = _take_in_thread(early, files[0], third)
@@ -401,14 +411,14 @@ def test_a_job_the_fill_reaches_first_is_read_for_it_next_by_an_early_reader(tmp
     early.close()
 
 
-@pytest.mark.parametrize("why", ["knob off", "no O_DIRECT"])
+@pytest.mark.parametrize("why", ["default", "no O_DIRECT"])
 def test_the_fill_reads_a_job_no_read_began_itself(tmp_path, monkeypatch, why):
-    """With `WEIGHTCACHE_EARLY_READS_FOR_FILL=0` (the earlier way), and where the early reads
-    are buffered (a file system that refuses O_DIRECT: a few readers, not the fill's 32),
-    such a job is the fill's at once, even while an early reader reads, and no early read
-    begins it."""
-    if why == "knob off":
-        monkeypatch.setenv(FOR_FILL_ENV, "0")
+    """By default (`WEIGHTCACHE_EARLY_READS_FOR_FILL` unset: measured no slower), and where the
+    early reads are buffered even when it is 1 (a file system that refuses O_DIRECT: a few
+    readers, not the fill's 32), such a job is the fill's at once, even while an early reader
+    reads, and no early read begins it."""
+    if why == "no O_DIRECT":
+        monkeypatch.setenv(FOR_FILL_ENV, "1")
     early, files, spans = _held_reader(tmp_path, direct=why != "no O_DIRECT")
     third = spans[2]
     assert early.take(files[0], *third) is None  # at once: the caller reads it
@@ -416,15 +426,16 @@ def test_the_fill_reads_a_job_no_read_began_itself(tmp_path, monkeypatch, why):
     early.join()
     stats = early.stats()
     assert stats["claimed_bytes"] == third[1] - third[0] and stats["asked_bytes"] == 0
-    assert stats["for_fill"] is (why != "knob off")
+    assert stats["for_fill"] is (why != "default")
     assert (files[0], third[0]) not in early.order
     assert stats["read_bytes"] == sum(f.stat().st_size for f in files) - (third[1] - third[0])
     early.close()
 
 
-def test_a_job_asked_for_when_the_early_reads_stop_is_the_fills(tmp_path):
+def test_a_job_asked_for_when_the_early_reads_stop_is_the_fills(tmp_path, monkeypatch):
     """Early reads stopped (the rank stops, or every reader ended) while the fill waits for a
     job it asked for: the job goes back to the fill, which reads it; nothing waits forever."""
+    monkeypatch.setenv(FOR_FILL_ENV, "1")
     early, files, spans = _held_reader(tmp_path)
     third = spans[2]
     taker, out = _take_in_thread(early, files[0], third)
@@ -440,3 +451,142 @@ def test_a_job_asked_for_when_the_early_reads_stop_is_the_fills(tmp_path):
     assert stats["claimed_bytes"] == third[1] - third[0] and stats["asked_bytes"] == 0
     assert (files[0], third[0]) not in early.order
     early.close()
+
+
+class _Calls(EarlyReads):
+    """Early reads that note the jobs of each read call (the reading is the real code's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[list[tuple[Path, int, int]]] = []
+
+    def _read(self, jobs, direct_fds):
+        self.calls.append([(job.path, job.start, job.end) for job in jobs])
+        return super()._read(jobs, direct_fds)
+
+
+def _direct_files(tmp_path: Path, sizes: tuple[int, ...] = (11 * CHUNK // 2, 3 * CHUNK + 123)
+                  ) -> list[Path]:
+    """Files of random bytes, out of the page cache, where O_DIRECT works (else a skip)."""
+    paths = []
+    for i, size in enumerate(sizes):
+        path = tmp_path / f"f{i}.bin"
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(size))
+            fh.flush()
+            os.fsync(fh.fileno())
+        paths.append(path)
+    drop_page_cache(paths, everything=False)
+    try:
+        os.close(os.open(paths[0], os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the file system refuses O_DIRECT")
+    return paths
+
+
+@pytest.mark.parametrize("knob", [None, "1", "junk"])
+def test_while_the_rank_starts_a_reader_reads_consecutive_jobs_with_one_call(
+        tmp_path, monkeypatch, knob):
+    """While the rank starts (before `accept`), one O_DIRECT read call covers READ_JOBS
+    consecutive jobs of one file (32 x 64 MiB in flight, a cushion against the GIL that
+    `import torch` holds), never two files' and never past a file's last job; each job's
+    bytes land in its own place, so the fill takes exactly the file's bytes. With
+    `WEIGHTCACHE_EARLY_READ_JOBS=1` a call reads one job; a bad value is the default."""
+    if knob is not None:
+        monkeypatch.setenv(READ_JOBS_ENV, knob)
+    files = _direct_files(tmp_path)
+    early = _Calls(files, 1 << 40, chunk=CHUNK, threads=2, direct=True).start()
+    early.join()
+    want = 1 if knob == "1" else READ_JOBS
+    assert early.read_jobs == want
+    jobs = sorted(early._jobs)
+    assert sorted(j for call in early.calls for j in call) == jobs  # each job in one call
+    for call in early.calls:
+        assert len({path for path, _, _ in call}) == 1  # one file
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(call))  # consecutive
+    # 6 jobs (the last half a chunk) and 4 (the last 123 bytes): whole groups, a file's end
+    # ends one.
+    sizes = {path: sorted(len(c) for c in early.calls if c[0][0] == path) for path in files}
+    assert sizes == ({files[0]: [2, 4], files[1]: [4]} if want == 4
+                     else {files[0]: [1] * 6, files[1]: [1] * 4})
+    stats = early.stats()
+    assert stats["read_bytes"] == stats["direct_bytes"] == sum(f.stat().st_size for f in files)
+    early.accept({p: early.identities[p] for p in files})
+    for path, start, end in jobs:
+        got = early.take(path, start, end)
+        assert got is not None and bytes(got) == path.read_bytes()[start:end]
+        del got
+    early.close()
+
+
+def test_after_the_fill_began_and_while_gentle_a_reader_reads_one_job_per_call(tmp_path):
+    """Beside the fill (after `accept`) the fill waits for the jobs it takes, and a gentle
+    share allows small pieces only: one job per call then."""
+    files = _direct_files(tmp_path)[:1]
+    early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True)
+    early.accept({p: early.identities[p] for p in files})
+    early.start().join()
+    assert early.calls and all(len(call) == 1 for call in early.calls)
+    early.close()
+    drop_page_cache(files, everything=False)
+    share = DiskShare(start_gentle=60.0, source="/proc/vmstat")
+    if not share.available:
+        pytest.skip("/proc/vmstat is unreadable here")
+    share.start()
+    try:
+        assert share.gentle
+        early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True, disk=share)
+        early.start().join()
+        assert early.calls and all(len(call) == 1 for call in early.calls)
+        assert early.stats()["read_bytes"] == files[0].stat().st_size
+        early.close()
+    finally:
+        share.stop()
+
+
+def test_a_file_shorter_than_its_jobs_keeps_only_the_jobs_read_whole(tmp_path):
+    """A file cut short after the jobs were planned: a grouped read gets fewer bytes, the jobs
+    it read whole are kept, the rest dropped (the fill reads them, and says the file
+    changed)."""
+    files = _direct_files(tmp_path)[:1]
+    early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True)
+    spans = sorted((s, e) for _, s, e in early._jobs)
+    assert len(spans) >= READ_JOBS
+    cut = spans[1][1] + 4096  # two jobs whole, the third begun
+    with open(files[0], "r+b") as fh:
+        fh.truncate(cut)
+    early.start().join()
+    assert len(early.calls[0]) == READ_JOBS
+    states = [early._jobs[(files[0], s, e)].state for s, e in spans]
+    assert states[:2] == [2, 2] and all(state == 3 for state in states[2:])
+    assert early.stats()["read_bytes"] == spans[1][1]
+    early.close()
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.data())
+def test_pieces_are_the_views_bytes_in_order(sizes, data):
+    """`_pieces` (the iovecs of one read call) are the bytes [start, start + count) of the
+    views taken as one run."""
+    buffers = [bytearray(os.urandom(n)) for n in sizes]
+    whole = b"".join(buffers)
+    start = data.draw(st.integers(0, len(whole)))
+    count = data.draw(st.integers(0, len(whole) - start))
+    pieces = _pieces([memoryview(b) for b in buffers], start, count)
+    assert b"".join(bytes(p) for p in pieces) == whole[start : start + count]
+    assert all(len(p) for p in pieces)
+
+
+def test_read_fully_fills_several_views_from_one_run_of_the_file(tmp_path):
+    """One run of the file into several views, one after another; fewer bytes only at the
+    end of the file."""
+    path = tmp_path / "f"
+    data = os.urandom(10000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        views = [memoryview(bytearray(n)) for n in (3000, 4000, 5000)]
+        got = read_fully(fd, views, 500)
+        assert got == 9500
+        assert b"".join(bytes(v) for v in views)[:9500] == data[500:]
+    finally:
+        os.close(fd)

@@ -49,9 +49,11 @@ then the default with the model cold again), census (READY with the model cold a
 cold start: every cache dropped, then a fresh process that imports torch and transformers and
 starts the device, the page cache a restart finds; the default, then without the import set's
 warm verdict, `WEIGHTCACHE_IMPORT_SET_WARM=0`, then the default again), fillreads (READY with
-the model cold, the fill reading itself the jobs it reaches before any early read began them,
-`WEIGHTCACHE_EARLY_READS_FOR_FILL=0`, against the default, in turn: the earlier way, the
-default, the earlier way, after the layout's own model-cold READY), and lean (only the two
+the model cold, the early readers reading for the fill the jobs it reaches before any early
+read began them, `WEIGHTCACHE_EARLY_READS_FOR_FILL=1`, against the default, the fill reading
+them itself, in turn: asked, the default, asked, after the layout's own model-cold READY),
+readjobs (READY with the model cold, the early reads one job per call while the rank starts,
+`WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), and lean (only the two
 device reads, READY with the model cold and the other parts' model-cold A/Bs: a short GPU call
 for a comparison; before them, where the node has no import set yet, one READY that writes it).
 """
@@ -690,9 +692,10 @@ def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
             r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
                                              engine_cold_start, model_dir, files)
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
-    if "fillreads" in parts:  # the fill reading what it reaches first itself: the earlier way
-        for key, env in FILL_READS_READY.items():
-            r[key] = _safe(key, preload_once, model_dir, files, "model", env)
+    for part, runs in (("fillreads", FILL_READS_READY), ("readjobs", READ_JOBS_READY)):
+        if part in parts:  # a knob's A/B, in turn with the default
+            for key, env in runs.items():
+                r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     if "stopearly" in parts:  # the early reads stopped when the fill begins: the earlier way
         for key, env in STOP_EARLY_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -834,12 +837,19 @@ BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
 # READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
 STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
-# READY with the model cold, the fill reading itself the jobs it reaches before any early read
-# began them (earlyread.py), in turn with the default (after the layout's own model-cold READY).
-_FILL_READS_ENV = {"WEIGHTCACHE_EARLY_READS_FOR_FILL": "0"}
-FILL_READS_READY = {"preload_cold_model_fillreads": _FILL_READS_ENV,
-                    "preload_cold_model_forfill_again": {},
-                    "preload_cold_model_fillreads_again": _FILL_READS_ENV}
+# READY with the model cold, the early readers reading for the fill the jobs it reaches before
+# any early read began them (earlyread.py), in turn with the default, the fill reading them
+# itself (after the layout's own model-cold READY).
+_FOR_FILL_ENV = {"WEIGHTCACHE_EARLY_READS_FOR_FILL": "1"}
+FILL_READS_READY = {"preload_cold_model_forfill": _FOR_FILL_ENV,
+                    "preload_cold_model_fillreads_again": {},
+                    "preload_cold_model_forfill_again": _FOR_FILL_ENV}
+# READY with the model cold, the early reads one job per call while the rank starts
+# (earlyread.py: the earlier way), in turn with the default, READ_JOBS per call.
+_ONE_JOB_ENV = {"WEIGHTCACHE_EARLY_READ_JOBS": "1"}
+READ_JOBS_READY = {"preload_cold_model_onejob": _ONE_JOB_ENV,
+                   "preload_cold_model_readjobs_again": {},
+                   "preload_cold_model_onejob_again": _ONE_JOB_ENV}
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
@@ -983,7 +993,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
     for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
-                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY,
+                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
                 "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

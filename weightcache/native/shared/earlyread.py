@@ -19,17 +19,28 @@ that honours it (mq-deadline) would put them behind the fill's own reads while t
 for them (`WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0` stops them when the fill begins, the
 earlier way, kept to compare).
 
-A job the fill reaches before any early read began it is read for the fill by the early
-readers, next, while they read (`take` asks; `WEIGHTCACHE_EARLY_READS_FOR_FILL=0` lets the
-fill read it itself, the earlier way, kept to compare). The fill hashes and copies faster
-than the disk reads, so it catches up with the early reads' front, and from then on the
-early readers' 32 reads and the fill's own were both in flight: on an H100 VM (run44,
-`sharded`, the model cold) the disk's queue rose from about 120 requests to 190-200 and its
-rate fell from 2.9 GB/s to 2.7 for the fill's 3.6 s, where a READY whose fill claimed almost
-nothing (`single`) kept 2.94-2.97 at about 120. One set of readers keeps the disk at the
-depth it ran best at there, and a job is still read once (`weightcache bench load`'s
-`fillreads` part is the A/B). Not where the file system refuses O_DIRECT: there the few
-buffered early readers would be the fill's only ones.
+A job the fill reaches before any early read began it is the fill's: it reads it itself,
+beside the early readers. `WEIGHTCACHE_EARLY_READS_FOR_FILL=1` has an early reader read it
+next instead, for the fill (`take` asks), so that the disk keeps one set of readers: on an
+H100 VM (run44) the disk's queue had risen from about 120 requests to 190-200 once the fill
+read beside the early reads, and its rate fell from 2.9 GB/s to 2.7. Measured as an A/B on
+another H100 VM (run47, `weightcache bench load`'s `fillreads` part, the model cold), asking
+was no faster on `sharded` (READY 7.164 / 7.368 s asking, 7.357 / 7.209 s not) and slower on
+`many` (7.532 s against 7.302 / 7.192 s): the fill's own reads add to the disk's depth more
+than they take from it. So it is off by default, kept to compare on other disks. Never where
+the file system refuses O_DIRECT: there the few buffered early readers would be the fill's
+only ones.
+
+While the rank starts, an early reader reads READ_JOBS consecutive jobs of one file with one
+call (`preadv` into each job's place in the mapping): 32 x 64 MiB in flight, as the device
+read keeps, instead of 32 x 16 MiB. The reads are Python threads, and `import torch` holds the
+GIL for 0.18-0.37 s at a time (loading its extension libraries; tests/gpu/probe_gil.py on an
+H100 VM, run48): a reader whose read landed cannot ask for the next until the GIL comes back,
+so the disk drains what is in flight, 0.2 s of it at 16 MiB a read, 0.8 s at 64 MiB. Once the
+fill began (`accept`) and while the reads are gentle, a reader reads one job per call again:
+the fill waits for the jobs it takes, and a gentle share allows small pieces only.
+`WEIGHTCACHE_EARLY_READ_JOBS=1` reads a job per call throughout (the earlier way, kept to
+compare).
 
 The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
 read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
@@ -85,6 +96,7 @@ PAGE = loadenv.PAGE
 # BUFFERED_THREADS keep reading.
 DEFAULT_THREADS = 32
 BUFFERED_THREADS = 4
+READ_JOBS = 4  # consecutive jobs one reader reads with one call while the rank starts
 STOP_POLL_S = 0.05  # how often readers waiting for `after` look whether they were stopped
 # About what the disk reads while torch starts: 8 GiB ran out before the fill began on the H200 when
 # the start took 4.4-7 s (run20, every early read budget-bound, the disk idle until the fill).
@@ -93,6 +105,7 @@ MAX_OPEN_PER_THREAD = 32  # O_DIRECT descriptors a reader keeps open, as the fil
 BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turns them off
 BESIDE_ENV = constants.ENV_EARLY_READS_BESIDE_FILL
 FOR_FILL_ENV = constants.ENV_EARLY_READS_FOR_FILL
+READ_JOBS_ENV = constants.ENV_EARLY_READ_JOBS
 
 
 def beside_fill() -> bool:
@@ -103,9 +116,20 @@ def beside_fill() -> bool:
 
 
 def for_fill() -> bool:
-    """`WEIGHTCACHE_EARLY_READS_FOR_FILL`: 1 (default) has the early readers read a job the
-    fill reaches first, for it; 0 lets the fill read it itself. A bad value is the default."""
-    return loadenv.flag(FOR_FILL_ENV, True)
+    """`WEIGHTCACHE_EARLY_READS_FOR_FILL`: 1 has the early readers read a job the fill reaches
+    first, for it; 0 (default) lets the fill read it itself. A bad value is the default."""
+    return loadenv.flag(FOR_FILL_ENV, False)
+
+
+def read_jobs() -> int:
+    """`WEIGHTCACHE_EARLY_READ_JOBS`: consecutive jobs per read while the rank starts (1 and
+    up, default READ_JOBS). A bad value is the default: a knob that only tunes speed never
+    fails a start."""
+    text = os.environ.get(READ_JOBS_ENV, "").strip()
+    try:
+        return loadenv.whole_number(READ_JOBS_ENV, text, 1) if text else READ_JOBS
+    except ValueError:
+        return READ_JOBS
 
 
 def span_of(chunk: int) -> int:
@@ -178,6 +202,7 @@ class EarlyReads:
         self._accepted = False  # the fill began (`accept`): normal priority, claims shared
         self.beside = beside_fill()  # go on beside the fill, or stop when it begins
         self.for_fill = for_fill()  # read the jobs the fill reaches first, for it
+        self.read_jobs = read_jobs()  # jobs per read while the rank starts
         self._asked: deque[_Job] = deque()  # such jobs, read before any other
         self._reading = 0  # readers past their wait for `after` and not yet done
         self.asked_bytes = 0  # read for the fill, asked by it
@@ -234,22 +259,42 @@ class EarlyReads:
         self._pool.start(background=True)
         return self
 
-    def _claim(self, index: int) -> _Job | None:
+    def _claim(self, index: int) -> list[_Job]:
+        """The next job to read, with the jobs that follow it in its file while the rank
+        starts (module docstring); none when there is nothing left or the reads stop."""
         with self._lock:
             if self.direct is False and index >= BUFFERED_THREADS:
-                return None
+                return []
             while self._asked and not self._stop.is_set():
                 job = self._asked.popleft()
                 if job.state == 5:  # else the fill took it back (`take`)
                     job.state = 1
-                    return job
+                    return [job]
             while not self._stop.is_set() and self._next < len(self._order):
                 job = self._order[self._next]
                 self._next += 1
                 if job.state == 0:
                     job.state = 1
-                    return job
-            return None
+                    return self._follow(job)
+            return []
+
+    def _follow(self, job: _Job) -> list[_Job]:
+        """`job` and the waiting jobs right after it in its file, READ_JOBS in all, while the
+        rank starts, the reads are O_DIRECT and not gentle (under the lock). Each job but a
+        file's last is whole pages, so the file range is one and each piece is aligned."""
+        jobs = [job]
+        if (self.read_jobs <= 1 or self._accepted or self.direct is False
+                or (self.disk is not None and self.disk.gentle)):
+            return jobs
+        while len(jobs) < self.read_jobs and self._next < len(self._order):
+            last, after = jobs[-1], self._order[self._next]
+            if (after.state != 0 or after.path != last.path or after.start != last.end
+                    or (last.end - last.start) % PAGE):
+                break
+            after.state = 1
+            self._next += 1
+            jobs.append(after)
+        return jobs
 
     def _wait_after(self) -> None:
         """Until `after` is set, `stop()` is called or `wait_s` pass: a rank stopped while its
@@ -276,19 +321,21 @@ class EarlyReads:
         with self._lock:
             self._reading += 1
         try:
-            while (job := self._claim(index)) is not None:
+            while jobs := self._claim(index):
                 if self._accepted and not normal:  # the start is over: read as the fill does
                     normal = True
                     if self.idle_io and not loadenv.idle():
                         normal_io_priority()
-                ok = False
+                done = 0
                 if self.first_read_at is None:
                     self.first_read_at = time.monotonic()  # a race between readers moves it µs
                 try:
-                    ok = self._read(job, direct_fds)
+                    done = self._read(jobs, direct_fds)
                 finally:  # never left "reading": the fill may be waiting for it (`take`)
                     with self._lock:
-                        job.state = 2 if ok and job.path not in self._refused else 3
+                        for i, job in enumerate(jobs):
+                            ok = i < done and job.path not in self._refused
+                            job.state = 2 if ok else 3
                         self._lock.notify_all()
         finally:
             with self._lock:  # a job asked for now is the fill's (`take`)
@@ -297,50 +344,60 @@ class EarlyReads:
             for fd in direct_fds.values():
                 os.close(fd)
 
-    def _read(self, job: _Job, direct_fds: dict[Path, int]) -> bool:
+    def _read(self, jobs: list[_Job], direct_fds: dict[Path, int]) -> int:
+        """Read `jobs` (consecutive in one file) with one call where it can; how many of them,
+        from the first, were read whole."""
         assert self._map is not None
-        n = job.end - job.start
-        base = self._fds[job.path]
-        if self.direct == "auto" and resident(base, job.start, n):
+        first = jobs[0]
+        base = self._fds[first.path]
+        if self.direct == "auto" and resident(base, first.start, jobs[-1].end - first.start):
             with self._lock:
-                self.resident_bytes += n
-            return False  # the fill copies it from the page cache as fast as from here
+                self.resident_bytes += jobs[-1].end - first.start
+            return 0  # the fill copies it from the page cache as fast as from here
         direct = self.direct is True or self.direct == "auto"
         try:
             if direct:
-                fd = direct_fds.get(job.path)
+                fd = direct_fds.get(first.path)
                 if fd is None and len(direct_fds) >= MAX_OPEN_PER_THREAD:
                     for other in direct_fds.values():  # thousands of files: bounded descriptors
                         os.close(other)
                     direct_fds.clear()
                 if fd is None:
-                    fd = direct_fds[job.path] = os.open(
+                    fd = direct_fds[first.path] = os.open(
                         f"/proc/self/fd/{base}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-                extent = n + (-n) % PAGE
+                views = [self._view(job, page=True) for job in jobs]
             else:
-                fd, extent = base, n
-            view = memoryview(self._map)[job.at : job.at + extent]
-            got = read_fully(fd, view, job.start, self.disk if direct else None)
+                fd, views = base, [self._view(job, page=False) for job in jobs]
+            got = read_fully(fd, views, first.start, self.disk if direct else None)
         except OSError:
             if not direct:
-                return False
+                return 0
             self.direct = False  # the file system refuses O_DIRECT: buffered from now on
             try:
-                view = memoryview(self._map)[job.at : job.at + n]
-                got = read_fully(base, view, job.start)
+                got = read_fully(base, [self._view(job, page=False) for job in jobs],
+                                 first.start)
             except OSError:
-                return False
-        if got < n:
-            return False  # shorter than it was: the fill finds out and says so
-        with self._lock:
-            if self.first_landed_at is None:
-                self.first_landed_at = time.monotonic()
-            self.read_bytes += n
-            if direct:
-                self.direct_bytes += n
-            if self._accepted:
-                self.after_accept_bytes += n
-        return True
+                return 0
+        done = 0  # jobs read whole; a shorter file leaves the rest to the fill, which says so
+        while done < len(jobs) and got >= jobs[done].end - first.start:
+            done += 1
+        n = sum(job.end - job.start for job in jobs[:done])
+        if done:
+            with self._lock:
+                if self.first_landed_at is None:
+                    self.first_landed_at = time.monotonic()
+                self.read_bytes += n
+                if direct:
+                    self.direct_bytes += n
+                if self._accepted:
+                    self.after_accept_bytes += n
+        return done
+
+    def _view(self, job: _Job, page: bool) -> memoryview:
+        """The job's place in the mapping; whole pages for O_DIRECT (`page`)."""
+        assert self._map is not None
+        n = job.end - job.start
+        return memoryview(self._map)[job.at : job.at + n + ((-n) % PAGE if page else 0)]
 
     def join(self) -> None:
         """Wait until every job within the budget was read (a test's, or a tool's, wait)."""
@@ -369,6 +426,7 @@ class EarlyReads:
                 "after_accept_bytes": self.after_accept_bytes,
                 "claimed_bytes": self.claimed_bytes, "asked_bytes": self.asked_bytes,
                 "for_fill": self.for_fill, "beside_fill": self.beside,
+                "read_jobs": self.read_jobs,
                 "first_read_at": self.first_read_at, "first_landed_at": self.first_landed_at}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
@@ -452,21 +510,41 @@ class EarlyReads:
             self._map = None
 
 
-def read_fully(fd: int, view: memoryview, offset: int, disk: DiskShare | None = None) -> int:
-    """Bytes read into `view` from `offset`: all of it, or fewer only at the end of the file.
-    With `disk`, in the pieces and at the pace its share allows (whole pages: O_DIRECT)."""
+def read_fully(fd: int, views: memoryview | list[memoryview], offset: int,
+               disk: DiskShare | None = None) -> int:
+    """Bytes read into `views` (one after another, as the file's bytes from `offset` are):
+    all of them, or fewer only at the end of the file. With `disk`, in the pieces and at the
+    pace its share allows (whole pages: O_DIRECT, where each view is whole pages but the
+    last)."""
+    views = views if isinstance(views, list) else [views]
     got = 0
-    total = len(view)
+    total = sum(len(view) for view in views)
     while got < total:
         if disk is None:
-            n = os.preadv(fd, [view[got:]], offset + got)
+            n = os.preadv(fd, _pieces(views, got, total - got), offset + got)
         else:
             allowed = disk.acquire(total - got)
             try:
-                n = os.preadv(fd, [view[got : got + allowed]], offset + got)
+                n = os.preadv(fd, _pieces(views, got, allowed), offset + got)
             finally:
                 disk.release()
         if n == 0:
             break
         got += n
     return got
+
+
+def _pieces(views: list[memoryview], start: int, count: int) -> list[memoryview]:
+    """The bytes [start, start + count) of `views` taken as one run, as slices of them."""
+    out: list[memoryview] = []
+    for view in views:
+        if count <= 0:
+            break
+        if start >= len(view):
+            start -= len(view)
+            continue
+        take = min(count, len(view) - start)
+        out.append(view[start : start + take])
+        count -= take
+        start = 0
+    return out
