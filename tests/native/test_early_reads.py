@@ -29,6 +29,7 @@ from weightcache.native.shared.earlyread import (
     BUDGET_ENV,
     FOR_FILL_ENV,
     MAX_BUDGET,
+    MAX_READ_JOBS,
     READ_JOBS,
     READ_JOBS_ENV,
     EarlyReads,
@@ -36,6 +37,7 @@ from weightcache.native.shared.earlyread import (
     cover_spans,
     default_budget,
     read_fully,
+    read_jobs,
 )
 from weightcache.native.shared.loader import plan_layout
 from weightcache.native.shared.residency import resident_pages
@@ -482,6 +484,15 @@ def _direct_files(tmp_path: Path, sizes: tuple[int, ...] = (11 * CHUNK // 2, 3 *
     except OSError:
         pytest.skip("the file system refuses O_DIRECT")
     return paths
+
+
+def test_the_read_jobs_knob_is_lenient_and_bounded(monkeypatch):
+    """A bad value is the default (a speed knob never fails a start); a huge one is bounded,
+    so one call's pieces stay below the kernel's limit on them."""
+    for value, want in (("", READ_JOBS), ("junk", READ_JOBS), ("0", READ_JOBS), ("-3", READ_JOBS),
+                        ("1", 1), ("8", 8), ("100000", MAX_READ_JOBS)):
+        monkeypatch.setenv(READ_JOBS_ENV, value)
+        assert read_jobs() == want, value
 
 
 @pytest.mark.parametrize("knob", [None, "1", "junk"])

@@ -97,6 +97,7 @@ PAGE = loadenv.PAGE
 DEFAULT_THREADS = 32
 BUFFERED_THREADS = 4
 READ_JOBS = 4  # consecutive jobs one reader reads with one call while the rank starts
+MAX_READ_JOBS = 64  # a knob's bound: one call's pieces stay far below IOV_MAX (1024)
 STOP_POLL_S = 0.05  # how often readers waiting for `after` look whether they were stopped
 # About what the disk reads while torch starts: 8 GiB ran out before the fill began on the H200 when
 # the start took 4.4-7 s (run20, every early read budget-bound, the disk idle until the fill).
@@ -122,14 +123,15 @@ def for_fill() -> bool:
 
 
 def read_jobs() -> int:
-    """`WEIGHTCACHE_EARLY_READ_JOBS`: consecutive jobs per read while the rank starts (1 and
-    up, default READ_JOBS). A bad value is the default: a knob that only tunes speed never
-    fails a start."""
+    """`WEIGHTCACHE_EARLY_READ_JOBS`: consecutive jobs per read while the rank starts (1 to
+    MAX_READ_JOBS, default READ_JOBS; more is MAX_READ_JOBS). A bad value is the default: a
+    knob that only tunes speed never fails a start."""
     text = os.environ.get(READ_JOBS_ENV, "").strip()
     try:
-        return loadenv.whole_number(READ_JOBS_ENV, text, 1) if text else READ_JOBS
+        jobs = loadenv.whole_number(READ_JOBS_ENV, text, 1) if text else READ_JOBS
     except ValueError:
         return READ_JOBS
+    return min(jobs, MAX_READ_JOBS)
 
 
 def span_of(chunk: int) -> int:
