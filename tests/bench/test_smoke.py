@@ -87,13 +87,20 @@ def test_the_load_sections_census_fillreads_and_readjobs_parts_run_at_smoke_size
 
 def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
     """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
-    parts asked for, none of the baselines or warm steps."""
-    layout = _smoke_load(tmp_path, "lean,fillreads", "many")
+    parts asked for, none of the baselines or warm steps; `startgentle`'s knob reaches the
+    rank's share of the disk."""
+    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle", "many")
     summary = layout["summary"]
     assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
     for key in ("preload_cold_model", "preload_cold_model_forfill",
                 "preload_cold_model_fillreads_again", "preload_cold_model_forfill_again"):
         assert summary[f"{key}_ready_vs_device_read"] > 0, key
+    for key, span in (("preload_cold_model", 0.5), ("preload_cold_model_fullstart", 0.0),
+                      ("preload_cold_model_startgentle_again", 0.5),
+                      ("preload_cold_model_fullstart_again", 0.0)):
+        assert summary[f"{key}_ready_s"] > 0, key
+        disk = summary[f"{key}_disk"]
+        assert disk is not None and disk["start_gentle"] == span, key
     for key in ("load_file_cold", "from_pretrained_cold", "loader_cold", "preload_cold",
                 "load_file_process_cold", "load_file_warm", "preload_warm"):
         assert key not in layout, key

@@ -218,13 +218,13 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_seconds", "gentle_switches",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
-                         "fault_times", "settled_at"}
+                         "fault_times", "settled_at", "start_gentle"}
+    assert disk["start_gentle"] == diskshare.START_GENTLE
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
-    # A rank's early reads start gentle: at least that switch is counted, and its time unless
-    # the import set's census settled the share at once (the set was in memory).
-    assert disk["gentle_switches"] >= 1
-    assert disk["gentle_seconds"] > 0 or disk["settled_at"] is not None
+    # A rank's early reads start gentle: at least that switch, and its time, are counted (a
+    # settle by the import set's census leaves the start's span to run its course).
+    assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
 
 
 # Where shares on made-up counters look for processes: nowhere. With the real /proc, a sample
@@ -299,11 +299,11 @@ def test_a_loads_own_faults_never_make_it_gentle_and_others_still_do(tmp_path):
 
 
 def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_path):
-    """A rank whose import set was read whole settles its share: the start's gentle span and
-    the faults seen before are forgotten at once (those pages are in memory now), while a
-    fault after it makes the reads gentle again."""
+    """A rank whose import set was read whole settles its share: the faults seen before are
+    forgotten at once (those pages are in memory now), while a fault after it makes the
+    reads gentle again."""
     vmstat, stat = _counters(tmp_path, 1000, 0)
-    share = DiskShare(interval=0.01, window=0.2, hold=5.0, start_gentle=30.0, source=vmstat,
+    share = DiskShare(interval=0.01, window=0.2, hold=5.0, source=vmstat,
                       own_source=stat, proc=NO_PROC).start()
     try:
         # On a loaded machine the thread may first run after the next write: wait for its
@@ -326,38 +326,64 @@ def test_settle_forgets_the_faults_before_it_and_a_later_fault_counts_again(tmp_
     assert stats["faults"] == 11 and 0 <= stats["settled_at"] < 5
 
 
+def test_a_settle_keeps_the_starts_gentle_span_and_forgets_the_faults(tmp_path):
+    """A rank settles its share at its first moment (its import set found in memory): the
+    start's gentle span runs its course (`import torch` beside full reads from its first
+    moment was 1 s slower), the faults seen before the settle are forgotten, so the reads go
+    full when the span ends, not a hold after those faults."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    share = DiskShare(interval=0.01, window=0.2, hold=30.0, start_gentle=0.4, source=vmstat,
+                      own_source=stat, proc=NO_PROC).start()
+    try:
+        assert share.watching.wait(30), "the sampler never read the counters"
+        _counters(tmp_path, 1010, 0)  # faults before the settle: gentle for `hold`
+        assert wait_until(lambda: share.stats()["faults"] == 10, 2)
+        share.settle()
+        assert share.gentle, "the start's span ended with the settle"
+        assert wait_until(lambda: not share.gentle, 5), "the forgotten faults kept it gentle"
+        assert share.stats()["settled_at"] < 0.4
+    finally:
+        stats = share.stop()
+    assert 0.3 <= stats["gentle_seconds"] < 5
+
+
 def test_a_settle_while_the_sampler_looks_is_not_undone_by_that_look(tmp_path):
-    """A rank settles its share at its first moment (its import set found in memory), while
-    the sampler is in the middle of its first look, whose verdict is the start's gentle span.
-    That verdict is older than the settle and must not be applied: on an H100 VM it held the
-    early reads gentle for the whole span, because the rank's `import torch` held the GIL and
-    put the next look off. Here the look is held at the counters' read (a FIFO) until the
+    """A settle comes while the sampler is in the middle of a look that saw faults (the settle
+    forgets them): that look's verdict is older than the settle and must not be applied. On
+    an H100 VM it was, and it stood until the next look, which the rank's `import torch`
+    held off with the GIL. Here the look is held at the counters' read (a FIFO) until the
     settle is done."""
     fifo = tmp_path / "vmstat.fifo"
     os.mkfifo(fifo)
     _, stat = _counters(tmp_path, 1000, 0)
 
-    def feed() -> None:  # one read of the counters: open blocks until the reader opens
+    def feed(count: int = 1000) -> None:  # one read: open blocks until the reader opens
         with open(fifo, "w") as fh:
-            fh.write("pgmajfault 1000\npswpin 0\n")
+            fh.write(f"pgmajfault {count}\npswpin 0\n")
 
-    threading.Thread(target=feed, daemon=True).start()  # the share's check at construction
-    share = DiskShare(interval=0.01, window=0.2, hold=1.0, start_gentle=30.0, source=str(fifo),
-                      own_source=stat, proc=NO_PROC)
+    # One feed per read, each after the last read closed the FIFO: a writer that opened it
+    # while an earlier read still held it would write into that read instead.
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()  # the share's check at construction
+    share = DiskShare(interval=0.01, window=5.0, hold=30.0, source=str(fifo), own_source=stat,
+                      proc=NO_PROC)
+    feeder.join(10)
     assert share.available
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()  # the sampler's first look
     share.start()
     try:
-        assert share.gentle  # the start's span
-        with open(fifo, "w") as fh:  # returns once the sampler opened it: its look has begun
-            share.settle()
-            assert not share.gentle
-            fh.write("pgmajfault 1000\npswpin 0\n")
         assert share.watching.wait(10), "the sampler never read the counters"
+        feeder.join(10)
+        assert not share.gentle
+        with open(fifo, "w") as fh:  # returns once the next look opened it: it has begun
+            share.settle()
+            fh.write("pgmajfault 1010\npswpin 0\n")  # the faults this look sees
         # Its next look waits at the FIFO: whatever this look decided stays until then.
         assert not wait_until(lambda: share.gentle, 0.5), \
-            "a look begun before settle() made the share gentle again"
+            "a look begun before settle() made the share gentle after it"
     finally:
-        unblock = threading.Thread(target=lambda: [feed() for _ in range(3)], daemon=True)
+        unblock = threading.Thread(target=lambda: [feed(1010) for _ in range(3)], daemon=True)
         unblock.start()
         share.stop()
         with contextlib.suppress(OSError):  # a feed left waiting for a reader
@@ -556,3 +582,13 @@ def test_the_processes_a_share_names_and_adopts_come_from_its_own_proc(tmp_path)
     named = [n for row in stats["fault_times"] if len(row) > 4 for n in row[4]]
     assert named == ["engine:888:3"], stats["fault_times"]
     assert stats["own_faults"] == 5 and stats["faults"] == 8
+
+
+def test_the_start_gentle_knob_is_lenient_and_bounded(monkeypatch):
+    """`WEIGHTCACHE_LOAD_START_GENTLE_S` (the rank's gentle start, for an A/B): seconds from 0
+    to 60; anything else is the default, since a knob that only tunes speed never fails a
+    start."""
+    for value, want in (("", 0.5), ("junk", 0.5), ("-1", 0.5), ("61", 0.5), ("nan", 0.5),
+                        ("0", 0.0), ("1.25", 1.25)):
+        monkeypatch.setenv(loadenv.START_GENTLE_ENV, value)
+        assert loadenv.start_gentle(0.5) == want, value

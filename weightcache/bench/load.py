@@ -53,7 +53,10 @@ the model cold, the early readers reading for the fill the jobs it reaches befor
 read began them, `WEIGHTCACHE_EARLY_READS_FOR_FILL=1`, against the default, the fill reading
 them itself, in turn: asked, the default, asked, after the layout's own model-cold READY),
 readjobs (READY with the model cold, the early reads one job per call while the rank starts,
-`WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), and lean (only the two
+`WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), startgentle (READY
+with the model cold, the rank's reads full once its import set is settled, with no gentle
+start, `WEIGHTCACHE_LOAD_START_GENTLE_S=0`, against the default, in turn likewise), and lean
+(only the two
 device reads, READY with the model cold and the other parts' model-cold A/Bs: a short GPU call
 for a comparison; before them, where the node has no import set yet, one READY that writes it).
 """
@@ -692,7 +695,8 @@ def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
             r[f"{key}_engine_start"] = _safe(f"{key}: an engine's cold start first",
                                              engine_cold_start, model_dir, files)
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
-    for part, runs in (("fillreads", FILL_READS_READY), ("readjobs", READ_JOBS_READY)):
+    for part, runs in (("fillreads", FILL_READS_READY), ("readjobs", READ_JOBS_READY),
+                       ("startgentle", START_GENTLE_READY)):
         if part in parts:  # a knob's A/B, in turn with the default
             for key, env in runs.items():
                 r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -850,6 +854,12 @@ _ONE_JOB_ENV = {"WEIGHTCACHE_EARLY_READ_JOBS": "1"}
 READ_JOBS_READY = {"preload_cold_model_onejob": _ONE_JOB_ENV,
                    "preload_cold_model_readjobs_again": {},
                    "preload_cold_model_onejob_again": _ONE_JOB_ENV}
+# READY with the model cold, the rank's reads with no gentle start (diskshare.py: full at once
+# once settled), in turn with the default, half a second gentle first.
+_FULL_START_ENV = {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0"}
+START_GENTLE_READY = {"preload_cold_model_fullstart": _FULL_START_ENV,
+                      "preload_cold_model_startgentle_again": {},
+                      "preload_cold_model_fullstart_again": _FULL_START_ENV}
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
@@ -994,6 +1004,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
+                *START_GENTLE_READY,
                 "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

@@ -58,8 +58,16 @@ gentle were named `ld-linux-x86-64`, a short-lived program that was no descendan
 rank: the machine's, yielded to as any other.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
-faults seen until then were of pages now in the page cache, so they and the start's gentle
-span are forgotten, and the reads go full at once; a fault after that makes them gentle again.
+faults seen until then were of pages now in the page cache, so they are forgotten; a fault
+after that makes the reads gentle again. The start's own gentle span (START_GENTLE) still runs
+its course: `import torch` was measured about 1 s slower beside full reads from its first
+moment, its libraries in memory and no fault seen (an H200 VM, run49: the rank's start 4.53-4.85
+s against 3.44-3.89 s with 0.7 s gentle first; READY the same on that 2 GB/s disk, where the
+reads made up for it). Where the disk reads a checkpoint faster than torch imports, READY waits
+for the import, so the half second of gentle reads is kept. (Until run49 a settle was meant to
+end that span too, and in the runs it did not: the sampler's look begun before the settle
+applied its verdict after it, and the next look waited for the GIL that the import held.)
+`WEIGHTCACHE_LOAD_START_GENTLE_S` sets the span for an A/B (0: full at once once settled).
 A rank whose early reads start beside that read (`WEIGHTCACHE_EARLY_READS_WAIT=0`) holds its
 share gentle until then (`hold_gentle()`): the read is plain `read()` calls, which fault
 nothing, yet it is the start's own disk work.
@@ -314,14 +322,20 @@ class DiskShare:
 
     def settle(self) -> None:
         """The pages whose faults made it gentle are in memory now (the rank's import set was
-        read whole, importset.py): forget those faults and the start's gentle span, so the
-        reads go full at once. Any fault from now on makes it gentle again, as before."""
+        read whole, importset.py): forget those faults, so the reads go full once the start's
+        gentle span is over (module docstring), at once after it. Any fault from now on makes
+        it gentle again, as before."""
+        now = time.monotonic()
         with self._cond:
             self._held = False
             self._settled += 1
             if self.settled_at is None:
-                self.settled_at = round(time.monotonic() - self._began, 3)
-        self._set(False, time.monotonic())
+                self.settled_at = round(now - self._began, 3)
+        self._set(now < self._span_end(), now)
+
+    def _span_end(self) -> float:
+        """When the start's gentle span ends (time.monotonic(); the past without one)."""
+        return self._began + self.start_gentle if self.start_gentle > 0 else -1e9
 
     def ignore_own(self) -> None:
         """From now on this process's own faults do not make the share gentle (its start is
@@ -330,19 +344,18 @@ class DiskShare:
 
     def _watch(self) -> None:
         samples: deque[tuple[float, int, int]] = deque()
-        # Gentle at the start counts as a fault START_GENTLE - HOLD seconds before it.
-        last_busy = time.monotonic() - self.hold + self.start_gentle if self.start_gentle \
-            else -1e9
+        # Gentle at the start counts as a fault START_GENTLE - HOLD seconds after it began.
+        last_busy = self._span_end() - self.hold
         first: tuple[int, int] | None = None
         began = time.monotonic()
         procs: dict[int, tuple[str, int, int]] = {}  # the last look: who had faulted how often
         settled = 0
         while not self._stop.is_set():
             with self._cond:
-                if self._settled != settled:  # settle(): what came before no longer counts
+                if self._settled != settled:  # settle(): the faults before no longer count
                     settled = self._settled
                     samples.clear()
-                    last_busy = -1e9
+                    last_busy = self._span_end() - self.hold
             now = time.monotonic()
             count = read_faults(self.source)
             if count is None:
@@ -381,11 +394,10 @@ class DiskShare:
                     last_busy = now
                 self.seen_faults = max(self.seen_faults, recent)
             with self._cond:
-                # A settle() since this sample's look at it decided already: full, at once.
-                # Applied over it, this sample's verdict (the start's gentle span, say) stood
-                # until the next sample, and a rank's `import torch`, holding the GIL for
-                # 0.2-0.4 s at a time, put that sample off: on an H100 VM a share settled at
-                # its first moment read gentle for 0.5 s, the whole span (run47).
+                # A settle() since this sample's look began decided already. Applied over it,
+                # this look's verdict (from faults the settle forgot) stood until the next
+                # look, and a rank's `import torch`, holding the GIL for 0.2-0.4 s at a time,
+                # put that off (run47-48).
                 if self._settled == settled:
                     self._set(self._held or now - last_busy < self.hold, now)
             self._stop.wait(self.interval)
@@ -476,7 +488,7 @@ class DiskShare:
                 "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults,
                 "faults": self.faults_total, "own_faults": self.own_total,
                 "counts_own": self._count_own, "fault_times": list(self.timeline),
-                "settled_at": self.settled_at}
+                "settled_at": self.settled_at, "start_gentle": self.start_gentle}
 
 
 def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,

@@ -24,6 +24,7 @@ CHUNK_ENV = "WEIGHTCACHE_LOAD_CHUNK_MIB"
 DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
 IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
 YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
+START_GENTLE_ENV = "WEIGHTCACHE_LOAD_START_GENTLE_S"
 
 T = TypeVar("T")
 
@@ -115,6 +116,17 @@ def threads(default: int) -> int:
     """`WEIGHTCACHE_LOAD_THREADS`, else `default`."""
     return _lenient(lambda: _positive(THREADS_ENV, os.environ.get(THREADS_ENV), default),
                     default)
+
+
+def start_gentle(default: float) -> float:
+    """`WEIGHTCACHE_LOAD_START_GENTLE_S`: seconds a rank's reads stay gentle from their start
+    (diskshare.py), 0 to 60, else `default`: a knob that only tunes speed never fails a start."""
+    text = os.environ.get(START_GENTLE_ENV, "").strip()
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        return default
+    return value if 0 <= value <= 60 else default
 
 
 def chunk() -> int:
