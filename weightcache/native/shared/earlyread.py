@@ -126,12 +126,7 @@ def read_jobs() -> int:
     """`WEIGHTCACHE_EARLY_READ_JOBS`: consecutive jobs per read while the rank starts (1 to
     MAX_READ_JOBS, default READ_JOBS; more is MAX_READ_JOBS). A bad value is the default: a
     knob that only tunes speed never fails a start."""
-    text = os.environ.get(READ_JOBS_ENV, "").strip()
-    try:
-        jobs = loadenv.whole_number(READ_JOBS_ENV, text, 1) if text else READ_JOBS
-    except ValueError:
-        return READ_JOBS
-    return min(jobs, MAX_READ_JOBS)
+    return min(loadenv.positive(READ_JOBS_ENV, READ_JOBS), MAX_READ_JOBS)
 
 
 def span_of(chunk: int) -> int:

@@ -112,10 +112,14 @@ def _lenient(parse: Callable[[], T], default: T) -> T:
         return default
 
 
+def positive(name: str, default: int) -> int:
+    """A whole-number knob of at least 1; unset or bad, `default`."""
+    return _lenient(lambda: _positive(name, os.environ.get(name), default), default)
+
+
 def threads(default: int) -> int:
     """`WEIGHTCACHE_LOAD_THREADS`, else `default`."""
-    return _lenient(lambda: _positive(THREADS_ENV, os.environ.get(THREADS_ENV), default),
-                    default)
+    return positive(THREADS_ENV, default)
 
 
 def start_gentle(default: float) -> float:
