@@ -841,25 +841,24 @@ BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model
 BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
 # READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
 STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
-# READY with the model cold, the early readers reading for the fill the jobs it reaches before
-# any early read began them (earlyread.py), in turn with the default, the fill reading them
-# itself (after the layout's own model-cold READY).
-_FOR_FILL_ENV = {"WEIGHTCACHE_EARLY_READS_FOR_FILL": "1"}
-FILL_READS_READY = {"preload_cold_model_forfill": _FOR_FILL_ENV,
-                    "preload_cold_model_fillreads_again": {},
-                    "preload_cold_model_forfill_again": _FOR_FILL_ENV}
-# READY with the model cold, the early reads one job per call while the rank starts
-# (earlyread.py: the earlier way), in turn with the default, READ_JOBS per call.
-_ONE_JOB_ENV = {"WEIGHTCACHE_EARLY_READ_JOBS": "1"}
-READ_JOBS_READY = {"preload_cold_model_onejob": _ONE_JOB_ENV,
-                   "preload_cold_model_readjobs_again": {},
-                   "preload_cold_model_onejob_again": _ONE_JOB_ENV}
-# READY with the model cold, the rank's reads with no gentle start (diskshare.py: full at once
-# once settled), in turn with the default, half a second gentle first.
-_FULL_START_ENV = {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0"}
-START_GENTLE_READY = {"preload_cold_model_fullstart": _FULL_START_ENV,
-                      "preload_cold_model_startgentle_again": {},
-                      "preload_cold_model_fullstart_again": _FULL_START_ENV}
+
+
+def _in_turn(knob: str, default: str, env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """A knob's A/B with READY the model cold, in turn: the knob, the default, the knob again
+    (after the layout's own model-cold READY, which is the default's first)."""
+    return {f"preload_cold_model_{knob}": env, f"preload_cold_model_{default}_again": {},
+            f"preload_cold_model_{knob}_again": env}
+
+
+# The early readers reading for the fill the jobs it reaches before any early read began them
+# (earlyread.py), against the default, the fill reading them itself.
+FILL_READS_READY = _in_turn("forfill", "fillreads", {"WEIGHTCACHE_EARLY_READS_FOR_FILL": "1"})
+# The early reads one job per call while the rank starts (earlyread.py: the earlier way),
+# against the default, READ_JOBS per call.
+READ_JOBS_READY = _in_turn("onejob", "readjobs", {"WEIGHTCACHE_EARLY_READ_JOBS": "1"})
+# The rank's reads with no gentle start (diskshare.py: full at once once settled), against the
+# default, half a second gentle first.
+START_GENTLE_READY = _in_turn("fullstart", "startgentle", {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0"})
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
