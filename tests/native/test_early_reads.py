@@ -358,17 +358,20 @@ class _FirstReadHeld(EarlyReads):
         return super()._read(jobs, direct_fds)
 
 
+def _skip_without_direct(path: Path) -> None:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("the file system refuses O_DIRECT")
+
+
 def _held_reader(tmp_path, direct: bool = True
                  ) -> tuple[_FirstReadHeld, list[Path], list[tuple[int, int]]]:
     model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
     files = open_checkpoint(model).files
     drop_page_cache(files, everything=False)
     if direct:
-        try:
-            fd = os.open(files[0], os.O_RDONLY | os.O_DIRECT)
-            os.close(fd)
-        except OSError:
-            pytest.skip("the file system refuses O_DIRECT")
+        _skip_without_direct(files[0])
     early = _FirstReadHeld(files, 1 << 40, chunk=CHUNK, threads=1, direct=direct).start()
     assert early.entered.wait(10)  # the one reader is at its first job
     early.accept({p: early.identities[p] for p in files})  # the fill began
@@ -479,10 +482,7 @@ def _direct_files(tmp_path: Path, sizes: tuple[int, ...] = (11 * CHUNK // 2, 3 *
             os.fsync(fh.fileno())
         paths.append(path)
     drop_page_cache(paths, everything=False)
-    try:
-        os.close(os.open(paths[0], os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        pytest.skip("the file system refuses O_DIRECT")
+    _skip_without_direct(paths[0])
     return paths
 
 
