@@ -56,9 +56,9 @@ readjobs (READY with the model cold, the early reads one job per call while the 
 `WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), startgentle (READY
 with the model cold, the rank's reads full once its import set is settled, with no gentle
 start, `WEIGHTCACHE_LOAD_START_GENTLE_S=0`, against the default, in turn likewise), and lean
-(only the two
-device reads, READY with the model cold and the other parts' model-cold A/Bs: a short GPU call
-for a comparison; before them, where the node has no import set yet, one READY that writes it).
+(only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
+short GPU call for a comparison; before them, where the node has no import set yet, one READY
+that writes it).
 """
 
 from __future__ import annotations
