@@ -8,7 +8,13 @@ arena of PROBE_GB GiB exported by a second process, as copy mode sees it:
 - the same map with access granted (or the range mapped and granted) a piece at a time, each
   piece's copy queued as soon as it is readable, so the copy runs beside the rest of the map;
 - a device-to-device copy between two blocks of this process (the copy's own limit), and a
-  fresh allocation of the destination.
+  fresh allocation of the destination;
+- an arena made of PROBE_PIECES allocations (one fd each), mapped into one reserved range a
+  piece at a time with each piece's copy queued as soon as it is readable: the one way the
+  driver lets the map overlap the copy;
+- the whole map and copy while another thread allocates a fresh block as large (copy mode's
+  destination, made by `torch.empty` on a thread while the map goes on): whether the two
+  driver paths wait on each other.
 
 Run: `python3 tests/gpu/probe_copy.py` on the device (tests/gpu/run_device.sh probe_copy).
 """
@@ -40,6 +46,26 @@ arena.tensor().fill_(7)
 torch.cuda.synchronize()
 meta, fds = arena.export()
 socket.send_fds(sock, [str(meta["size"]).encode()], fds)
+sock.recv(1)  # until the parent closes
+"""
+
+
+_PIECES_EXPORTER = r"""
+import json, os, socket, sys, torch
+from weightcache.native.shared.transport import cuda_vmm
+sock = socket.socket(fileno=int(sys.argv[1]))
+total, n = int(sys.argv[2]), int(sys.argv[3])
+gran = cuda_vmm.granularity(0)
+each = (total // n + gran - 1) // gran * gran
+arenas = [cuda_vmm.VmmArena(min(each, total - i * each), 0) for i in range(n) if i * each < total]
+fds, sizes = [], []
+for a in arenas:
+    a.tensor().fill_(7)
+    meta, f = a.export()
+    fds += f
+    sizes.append(meta["size"])
+torch.cuda.synchronize()
+socket.send_fds(sock, [json.dumps(sizes).encode()], fds)
 sock.recv(1)  # until the parent closes
 """
 
@@ -110,6 +136,79 @@ def _one(cu: Any, fd: int, size: int, dst: int, nbytes: int, stream: int, *,
         mark("address_free")
     phases["total"] = time.perf_counter() - t0
     return phases
+
+
+def _pieces_one(cu: Any, fds: list[int], sizes: list[int], dst: int, nbytes: int,
+                stream: int) -> dict[str, float]:
+    """One map, copy and unmap of an arena of several allocations: each piece imported,
+    mapped at its place in one reserved range, granted, and its copy queued, in turn."""
+    phases: dict[str, float] = {}
+    t0 = last = time.perf_counter()
+
+    def mark(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - last
+        last = now
+
+    size = sum(sizes)
+    ptr = int(_cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "reserve"))
+    mark("reserve")
+    mapped: list[tuple[int, int]] = []
+    try:
+        at = 0
+        for fd, n in zip(fds, sizes, strict=True):
+            mine = os.dup(fd)
+            try:
+                handle = _cuda.check(cu.cuMemImportFromShareableHandle(
+                    mine, cuda_vmm._handle_type()), "import")
+            finally:
+                os.close(mine)
+            mark("import")
+            try:
+                _cuda.check(cu.cuMemMap(ptr + at, n, 0, handle, 0), "map")
+            finally:
+                cu.cuMemRelease(handle)
+            mapped.append((ptr + at, n))
+            mark("map")
+            _access(cu, ptr + at, n)
+            mark("access")
+            copy_n = min(n, max(0, nbytes - at))
+            if copy_n:
+                _copy(cu, dst + at, ptr + at, copy_n, stream)
+            mark("queue")
+            at += n
+        _cuda.check(cu.cuStreamSynchronize(stream), "sync")
+        mark("copy_wait")
+    finally:
+        cu.cuStreamSynchronize(stream)
+        for p, n in mapped:
+            _cuda.check(cu.cuMemUnmap(p, n), "unmap")
+        mark("unmap")
+        _cuda.check(cu.cuMemAddressFree(ptr, size), "free")
+        mark("address_free")
+    phases["total"] = time.perf_counter() - t0
+    return phases
+
+
+def _pieces(cu: Any, nbytes: int, dst: int, stream: int, count: int) -> dict[str, Any]:
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", _PIECES_EXPORTER, str(child.fileno()),
+                             str(nbytes), str(count)], pass_fds=[child.fileno()])
+    child.close()
+    try:
+        msg, fds, _, _ = socket.recv_fds(parent, 4096, 256)
+        sizes = json.loads(msg)
+        _pieces_one(cu, fds, sizes, dst, nbytes, stream)  # warm the path
+        runs = [_pieces_one(cu, fds, sizes, dst, nbytes, stream) for _ in range(REPEATS)]
+        out = _median(runs, nbytes)
+        out["pieces"] = len(sizes)
+        for fd in fds:
+            os.close(fd)
+        return out
+    finally:
+        parent.close()
+        proc.wait(timeout=30)
 
 
 def _spin_while(work: Any) -> tuple[float, float]:
@@ -229,6 +328,38 @@ def main() -> None:
             continue
         runs = [_one(cu, fd, size, dst, nbytes, stream, **kw) for _ in range(REPEATS)]
         result[name] = _median(runs, nbytes)
+        print(name, json.dumps(result[name]), flush=True)
+    import threading
+
+    def alloc_beside() -> dict[str, float]:
+        torch.cuda.empty_cache()
+        held: list[torch.Tensor] = []
+        th = threading.Thread(target=lambda: held.append(
+            torch.empty(size, dtype=torch.uint8, device="cuda")))
+        th.start()
+        phases = _one(cu, fd, size, dst, nbytes, stream)
+        t0 = time.perf_counter()
+        th.join()
+        phases["alloc_wait"] = time.perf_counter() - t0
+        held.clear()
+        return phases
+
+    try:
+        alloc_beside()
+        result["whole_alloc_beside"] = _median([alloc_beside() for _ in range(REPEATS)], nbytes)
+    except (_cuda.CudaCallError, torch.OutOfMemoryError) as exc:
+        result["whole_alloc_beside"] = {"error": str(exc)}
+    print("whole_alloc_beside", json.dumps(result["whole_alloc_beside"]), flush=True)
+    for count in (int(c) for c in os.environ.get("PROBE_PIECES", "2,4,8,16").split(",") if c):
+        dst_t.zero_()
+        torch.cuda.synchronize()
+        name = f"allocations_{count}"
+        try:
+            result[name] = _pieces(cu, nbytes, dst, stream, count)
+            last = dst_t[nbytes - (1 << 20):nbytes].cpu()
+            result[name]["copied_right"] = bool((last == 7).all())
+        except _cuda.CudaCallError as exc:
+            result[name] = {"error": str(exc)}
         print(name, json.dumps(result[name]), flush=True)
     check = dst_t[:1 << 20].cpu()
     result["copied_right"] = bool((check == 7).all())
