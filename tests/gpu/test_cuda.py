@@ -100,6 +100,75 @@ def test_vmm_arena_maps_twice_without_new_memory_and_frees():
     assert free_bytes() >= free0 - 256 * MiB, state  # arena (1 GiB) back; lazy modules stay
 
 
+def test_vmm_arena_of_pieces_maps_lazily_and_copies_a_piece_at_a_time():
+    """An arena of 3 allocations (one fd each) is one flat range to the daemon and to a
+    client: zero copy sees the daemon's bytes and writes, `copy_into` copies them piece by
+    piece into a block, asks for the block only once the first piece is mapped, and each
+    allocation is freed once nothing maps it."""
+    from weightcache.native.shared.transport import cuda_vmm
+
+    gran = cuda_vmm.granularity(0)
+    nbytes = 5 * gran + 12345  # the last piece partly used
+    transport = get_transport("cuda_vmm")
+    free0 = free_bytes()
+    arena = cuda_vmm.VmmArena(nbytes, 0, count=3)
+    assert arena.sizes == [2 * gran, 2 * gran, 2 * gran] and arena.size == 6 * gran
+    pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEV)
+    arena.tensor().copy_(pattern)
+    meta, fds = arena.export()
+    assert len(fds) == 3 and meta["pieces"] == arena.sizes
+    # Zero copy: the three pieces side by side, the daemon's writes seen.
+    imported = transport.attach(meta, [os.dup(fd) for fd in fds], DEV)
+    assert imported._span.mapped == []  # nothing mapped until used
+    view = imported.tensor()
+    assert len(imported._span.mapped) == 3 and torch.equal(view, pattern)
+    arena.tensor()[-16:].fill_(9)
+    torch.cuda.synchronize(DEV)
+    assert int(view[-16:].sum()) == 9 * 16
+    imported.close()
+    del view
+    # Copy mode: the block asked for after the first piece is mapped, bytes equal.
+    pattern[-16:] = 9
+    copier = transport.attach(meta, [os.dup(fd) for fd in fds], DEV)
+    asked: list[int] = []
+
+    def take() -> torch.Tensor:
+        asked.append(len(copier._span.mapped))
+        return torch.zeros(nbytes + 100, dtype=torch.uint8, device=DEV)
+
+    block = copier.copy_into(take, nbytes)
+    torch.cuda.synchronize(DEV)
+    assert asked == [1] and len(copier._span.mapped) == 3
+    assert torch.equal(block[:nbytes], pattern) and int(block[nbytes:].sum()) == 0
+    copier.close()
+    # Bad exports are refused, their fds closed.
+    for bad in ({**meta, "pieces": arena.sizes[:2]}, {**meta, "pieces": [gran, gran, 0]}):
+        dups = [os.dup(fd) for fd in fds[: len(bad["pieces"])]]
+        with pytest.raises(TransportError):
+            transport.attach(bad, dups, DEV)
+        for fd in dups:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    arena.close()
+    del block, imported
+    gc.collect()
+    assert free_bytes() >= free0 - 64 * MiB, _cuda.RELEASE_ERRORS
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_daemon_serves_an_arena_of_pieces(daemon_factory, medium_model, monkeypatch, mode):
+    """A daemon told `WEIGHTCACHE_VMM_PIECES=4` serves its arena as 4 allocations, and an
+    engine attaches either way with the checkpoint's bytes (the probe checks them)."""
+    from weightcache.native.engine.attach import query
+
+    monkeypatch.setenv("WEIGHTCACHE_VMM_PIECES", "4")
+    daemon = daemon_factory(medium_model, "cuda_vmm")
+    code, report = run_probe(medium_model, daemon.socket, mode)
+    assert code == 0, report
+    assert report["source"] == "cache" and report["verified"] is True
+    assert query(daemon.socket, "get_memory")["bytes"] == daemon.info["bytes"]
+
+
 def test_vmm_refuses_another_gpus_arena():
     transport = get_transport("cuda_vmm")
     arena = transport.allocate(4 * MiB, DEV)

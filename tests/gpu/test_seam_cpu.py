@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from weightcache.native.shared import coldload, content, gpu
@@ -217,3 +219,49 @@ def test_drop_page_cache_accepts_files(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"x" * 8192)
     assert coldload.drop_page_cache([path]) in {True, False}
+
+
+@given(nbytes=st.integers(0, 1 << 40), gran=st.sampled_from([1 << 16, 1 << 21, 1 << 30]),
+       count=st.integers(-2, 100))
+def test_vmm_piece_sizes_cover_the_arena_evenly(nbytes, gran, count):
+    """The pieces of an arena: whole granules, as many as asked where the arena has that many
+    granules (at least one), no two differing by more than a granule, summing to the arena's
+    size rounded up to a granule."""
+    from weightcache.native.shared.transport.cuda_vmm import piece_sizes
+
+    sizes = piece_sizes(nbytes, gran, count)
+    units = max(1, -(-nbytes // gran))
+    assert len(sizes) == max(1, min(count, units))
+    assert all(s > 0 and s % gran == 0 for s in sizes)
+    assert sum(sizes) == units * gran >= nbytes
+    assert max(sizes) - min(sizes) <= gran
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, 1), ("", 1), ("4", 4), ("16", 16),
+                                             ("17", 16), ("1000", 16), ("0", 1), ("-3", 1),
+                                             ("many", 1)])
+def test_vmm_pieces_knob_is_lenient_and_bounded(monkeypatch, value, want):
+    """`WEIGHTCACHE_VMM_PIECES` tunes speed only: a bad value is the default (one piece), and
+    no more pieces than one protocol frame carries fds."""
+    from weightcache.native.shared.transport import cuda_vmm
+
+    if value is None:
+        monkeypatch.delenv(cuda_vmm.PIECES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cuda_vmm.PIECES_ENV, value)
+    assert cuda_vmm.pieces() == want
+
+
+def test_vmm_import_refuses_pieces_that_do_not_match_their_fds():
+    """The export's piece sizes are checked before any driver call: their count against the
+    fds that came, each positive, their sum the arena's size, the bytes within it."""
+    from weightcache.native.shared.transport.cuda_vmm import _sizes
+
+    meta = {"nbytes": 10, "size": 12, "pieces": [4, 8]}
+    assert _sizes(meta, 2) == (10, 12, [4, 8])
+    assert _sizes({"nbytes": 10, "size": 12}, 1) == (10, 12, [12])  # one allocation
+    for bad, nfds in ((meta, 1), ({**meta, "pieces": [4, 4]}, 2), ({**meta, "pieces": [12, 0]}, 2),
+                      ({**meta, "nbytes": 13}, 2), ({**meta, "pieces": ["x", 8]}, 2),
+                      ({"size": 12}, 1)):
+        with pytest.raises(TransportError):
+            _sizes(bad, nfds)

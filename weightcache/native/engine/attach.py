@@ -703,14 +703,22 @@ def _from_cache_unchecked(
         finally:
             for fd in fds:
                 os.close(fd)
-        clock.mark("map")
         try:
-            flat = imported.tensor()
-            if flat.numel() < plan.layout.nbytes:
-                raise CacheProtocolError(
-                    f"mapped arena holds {flat.numel()} bytes, the layout needs"
-                    f" {plan.layout.nbytes}")
-            if destination is not None:
+            copy_into = getattr(imported, "copy_into", None)
+            if destination is not None and copy_into is not None:
+                # The transport maps the arena a piece at a time and queues each piece's copy
+                # into the block allocated meanwhile as soon as that piece is mapped, so the
+                # copy runs beside the rest of the map (cuda_vmm with pieces).
+                flat = copy_into(destination.take, plan.layout.nbytes)
+                clock.mark("map")
+            else:
+                flat = imported.tensor()
+                clock.mark("map")
+                if flat.numel() < plan.layout.nbytes:
+                    raise CacheProtocolError(
+                        f"mapped arena holds {flat.numel()} bytes, the layout needs"
+                        f" {plan.layout.nbytes}")
+            if destination is not None and copy_into is None:
                 # One copy of the laid-out bytes into the block allocated meanwhile, queued on
                 # the device; the mapping stays until the views are built, so that work
                 # overlaps the copy (unmapping waits for it).
@@ -727,6 +735,9 @@ def _from_cache_unchecked(
         except (ArenaLayoutError, plantable.PlanTableError) as exc:
             imported.close()
             raise CacheProtocolError(f"bad tensor table: {exc}") from None
+        except TransportError as exc:  # a mapping made when first used
+            imported.close()
+            raise CacheProtocolError(f"cannot map the arena: {exc}") from None
         except BaseException:
             imported.close()
             raise
