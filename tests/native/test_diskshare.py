@@ -222,8 +222,9 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["start_gentle"] == diskshare.START_GENTLE
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
-    # A rank's early reads start gentle: at least that switch, and its time, are counted (a
-    # settle by the import set's census leaves the start's span to run its course).
+    # A node's first start (no import set yet) starts gentle: at least that switch, and its
+    # time, are counted. (A rank with an import set starts with no span: the bench's smoke
+    # test of `lean` checks it and the knob, tests/bench/test_smoke.py.)
     assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
 
 

@@ -54,8 +54,9 @@ read began them, `WEIGHTCACHE_EARLY_READS_FOR_FILL=1`, against the default, the 
 them itself, in turn: asked, the default, asked, after the layout's own model-cold READY),
 readjobs (READY with the model cold, the early reads one job per call while the rank starts,
 `WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), startgentle (READY
-with the model cold, the rank's reads full once its import set is settled, with no gentle
-start, `WEIGHTCACHE_LOAD_START_GENTLE_S=0`, against the default, in turn likewise), and lean
+with the model cold, the rank's reads gentle for their first half second although its import
+set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the default, full reads
+at once, in turn likewise), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
 short GPU call for a comparison; before them, where the node has no import set yet, one READY
 that writes it).
@@ -856,9 +857,10 @@ FILL_READS_READY = _in_turn("forfill", "fillreads", {"WEIGHTCACHE_EARLY_READS_FO
 # The early reads one job per call while the rank starts (earlyread.py: the earlier way),
 # against the default, READ_JOBS per call.
 READ_JOBS_READY = _in_turn("onejob", "readjobs", {"WEIGHTCACHE_EARLY_READ_JOBS": "1"})
-# The rank's reads with no gentle start (diskshare.py: full at once once settled), against the
-# default, half a second gentle first.
-START_GENTLE_READY = _in_turn("fullstart", "startgentle", {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0"})
+# The rank's reads gentle for their first half second although its import set settled the
+# share (the default until run50), against the default, full at once (diskshare.py).
+START_GENTLE_READY = _in_turn("gentlestart", "startgentle",
+                              {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0.5"})
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},

@@ -255,14 +255,16 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
         return None
     # The early reads go gentle while the import faults (diskshare.py); the fill too. Once
     # the import set is in the page cache whole, the faults that came before it are of pages
-    # now in memory, and the libraries the import still needs are there: full reads once the
-    # start's half second of gentle reads is over (on the H200, READY with the share off was
-    # 0.7-0.8 s sooner than gentle for 1.5 s and more: run14; `import torch` beside full reads
-    # from its first moment was 1 s slower: run49). A set found in memory but for a small
-    # part (a restart: importset.Prefetch._census) lets them start at once; a fault of the
-    # import's on a missing page makes them gentle again.
-    disk, _ = diskshare.for_load(start_gentle=loadenv.start_gentle(diskshare.START_GENTLE),
-                                 own=True)
+    # now in memory, and the libraries the import still needs are there: full reads at once
+    # (on the H200, READY with the share off was 0.7-0.8 s sooner than gentle for 1.5 s and
+    # more: run14; with half a second gentle first, `import torch` was faster but READY the
+    # same or 0.45-0.6 s later: runs 49-50). A set found in memory but for a small part (a
+    # restart: importset.Prefetch._census) lets them start at once; a fault of the import's
+    # on a missing page makes them gentle again. With no import set (or an empty one: a
+    # node's first start), nothing says the libraries are in memory: the start's half second
+    # stays gentle.
+    span = 0.0 if prefetch is not None and prefetch.files else diskshare.START_GENTLE
+    disk, _ = diskshare.for_load(start_gentle=loadenv.start_gentle(span), own=True)
     after = prefetch.early_go if prefetch is not None else None  # after the import set
     if disk is not None and prefetch is not None:
         share = disk

@@ -59,15 +59,17 @@ rank: the machine's, yielded to as any other.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they are forgotten; a fault
-after that makes the reads gentle again. The start's own gentle span (START_GENTLE) still runs
-its course: `import torch` was measured about 1 s slower beside full reads from its first
-moment, its libraries in memory and no fault seen (an H200 VM, run49: the rank's start 4.53-4.85
-s against 3.44-3.89 s with 0.7 s gentle first; READY the same on that 2 GB/s disk, where the
-reads made up for it). Where the disk reads a checkpoint faster than torch imports, READY waits
-for the import, so the half second of gentle reads is kept. (Until run49 a settle was meant to
-end that span too, and in the runs it did not: the sampler's look begun before the settle
-applied its verdict after it, and the next look waited for the GIL that the import held.)
-`WEIGHTCACHE_LOAD_START_GENTLE_S` sets the span for an A/B (0: full at once once settled).
+after that makes the reads gentle again. A span of gentle reads from the start (`start_gentle`)
+runs its course even so. A rank gives its share START_GENTLE only where it has no import set
+to settle it (a node's first start: the libraries are likely cold, and a fault already queued
+behind a full rate of reads waits 0.3 s and more); a rank with one starts with none. Why: with
+the half second kept after a settle, `import torch` (its libraries in memory, no fault seen)
+ran 1 s faster on an H200 VM (run49: the rank's start 3.44-3.89 s against 4.53-4.85 without),
+0.2 s on an H100 VM (run50: 2.81-2.87 against 3.06), but READY never gained: the same on
+run49's disk (the reads made up for the slower import), 0.45-0.6 s later on run50's (7.53 /
+7.57 / 7.73 s against 7.09 / 7.11). `WEIGHTCACHE_LOAD_START_GENTLE_S` sets the span for every
+rank, for an A/B or for a machine whose disk reads a checkpoint faster than torch imports,
+where READY would wait for the import.
 A rank whose early reads start beside that read (`WEIGHTCACHE_EARLY_READS_WAIT=0`) holds its
 share gentle until then (`hold_gentle()`): the read is plain `read()` calls, which fault
 nothing, yet it is the start's own disk work.
@@ -97,9 +99,10 @@ WINDOW = 0.5
 # per window let a rank's import crawl beside full-rate reads for 5 s.
 FAULTS = 1
 HOLD = 1.0
-# A rank's early reads start gentle: its `import torch` faults from its first milliseconds if
-# the libraries are cold, and a fault already queued behind 32 x 16 MiB waits 0.3 s. They go
-# full after this long without a fault (libraries in the page cache).
+# The early reads of a rank with no import set start gentle: its `import torch` faults from
+# its first milliseconds if the libraries are cold, and a fault already queued behind 32 x 16
+# MiB waits 0.3 s. They go full after this long without a fault (libraries in the page cache).
+# A rank with an import set starts with none (module docstring; run50).
 START_GENTLE = 0.5
 GENTLE_READERS = 2
 GENTLE_READ = 1 * MiB
