@@ -1,7 +1,8 @@
 """The transport seam: how one rank's arena is allocated, exported and mapped.
 
-A daemon rank keeps its whole shard in ONE contiguous allocation (an `Arena`), so an engine
-maps one handle instead of hundreds. A `Transport` knows how to allocate such an arena on a
+A daemon rank keeps its whole shard in ONE contiguous range (an `Arena`: one allocation, or
+with `cuda_vmm` a few side by side), so an engine maps one handle (or a few) instead of
+hundreds. A `Transport` knows how to allocate such an arena on a
 device, describe it as JSON-able metadata plus file descriptors (sent with SCM_RIGHTS), and
 map it again on the client side (`Imported`). The protocol never carries anything but that
 metadata and the fds, so adding a transport never touches the daemon or the client.
@@ -30,7 +31,7 @@ class TransportUnavailableError(TransportError):
 
 @runtime_checkable
 class Arena(Protocol):
-    """Daemon side: one contiguous allocation per rank."""
+    """Daemon side: one contiguous range per rank."""
 
     nbytes: int
 
