@@ -80,28 +80,56 @@ def _access(cu: Any, ptr: int, size: int, readonly: bool = False) -> None:
     _cuda.check(cu.cuMemSetAccess(ptr, size, [desc], 1), "cuMemSetAccess")
 
 
-def _copy(cu: Any, dst: int, src: int, n: int, stream: int) -> None:
-    _cuda.check(cu.cuMemcpyDtoDAsync(dst, src, n, stream), "cuMemcpyDtoDAsync")
+def _copy(cu: Any, dst: int, src: int, at: int, n: int, stream: int) -> None:
+    """Queue the copy of `n` bytes at offset `at` (none if `n` is 0)."""
+    if n:
+        _cuda.check(cu.cuMemcpyDtoDAsync(dst + at, src + at, n, stream), "cuMemcpyDtoDAsync")
+
+
+def _import(cu: Any, fd: int) -> Any:
+    """An allocation handle from a copy of the exporter's fd."""
+    mine = os.dup(fd)
+    try:
+        return _cuda.check(cu.cuMemImportFromShareableHandle(
+            mine, cuda_vmm._handle_type()), "import")
+    finally:
+        os.close(mine)
+
+
+def _unmap(cu: Any, stream: int, mapped: list[tuple[int, int]], ptr: int, size: int,
+           mark: Any) -> None:
+    cu.cuStreamSynchronize(stream)
+    for at, n in mapped:
+        _cuda.check(cu.cuMemUnmap(at, n), "unmap")
+    mark("unmap")
+    _cuda.check(cu.cuMemAddressFree(ptr, size), "free")
+    mark("address_free")
+
+
+class _Clock:
+    """Seconds per phase of one map, copy and unmap; `total` from the first call."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.t0 = self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def done(self) -> dict[str, float]:
+        self.phases["total"] = time.perf_counter() - self.t0
+        return self.phases
 
 
 def _one(cu: Any, fd: int, size: int, dst: int, nbytes: int, stream: int, *,
          piece: int = 0, map_pieces: bool = False, readonly: bool = False) -> dict[str, float]:
     """One map, copy and unmap; seconds per phase (`total` from import to unmapped)."""
-    phases: dict[str, float] = {}
-    t0 = last = time.perf_counter()
+    clock = _Clock()
+    mark = clock.mark
 
-    def mark(name: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        phases[name] = phases.get(name, 0.0) + now - last
-        last = now
-
-    mine = os.dup(fd)
-    try:
-        handle = _cuda.check(cu.cuMemImportFromShareableHandle(
-            mine, cuda_vmm._handle_type()), "import")
-    finally:
-        os.close(mine)
+    handle = _import(cu, fd)
     mark("import")
     ptr = int(_cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "reserve"))
     mark("reserve")
@@ -120,36 +148,22 @@ def _one(cu: Any, fd: int, size: int, dst: int, nbytes: int, stream: int, *,
                 mark("map")
             _access(cu, ptr + at, n, readonly)
             mark("access")
-            copy_n = min(n, max(0, nbytes - at))
-            if copy_n:
-                _copy(cu, dst + at, ptr + at, copy_n, stream)
+            _copy(cu, dst, ptr, at, min(n, max(0, nbytes - at)), stream)
             mark("queue")
         _cuda.check(cu.cuStreamSynchronize(stream), "sync")
         mark("copy_wait")
     finally:
         cu.cuMemRelease(handle)
-        cu.cuStreamSynchronize(stream)
-        for at, n in mapped:
-            _cuda.check(cu.cuMemUnmap(at, n), "unmap")
-        mark("unmap")
-        _cuda.check(cu.cuMemAddressFree(ptr, size), "free")
-        mark("address_free")
-    phases["total"] = time.perf_counter() - t0
-    return phases
+        _unmap(cu, stream, mapped, ptr, size, mark)
+    return clock.done()
 
 
 def _pieces_one(cu: Any, fds: list[int], sizes: list[int], dst: int, nbytes: int,
                 stream: int) -> dict[str, float]:
     """One map, copy and unmap of an arena of several allocations: each piece imported,
     mapped at its place in one reserved range, granted, and its copy queued, in turn."""
-    phases: dict[str, float] = {}
-    t0 = last = time.perf_counter()
-
-    def mark(name: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        phases[name] = phases.get(name, 0.0) + now - last
-        last = now
+    clock = _Clock()
+    mark = clock.mark
 
     size = sum(sizes)
     ptr = int(_cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "reserve"))
@@ -158,12 +172,7 @@ def _pieces_one(cu: Any, fds: list[int], sizes: list[int], dst: int, nbytes: int
     try:
         at = 0
         for fd, n in zip(fds, sizes, strict=True):
-            mine = os.dup(fd)
-            try:
-                handle = _cuda.check(cu.cuMemImportFromShareableHandle(
-                    mine, cuda_vmm._handle_type()), "import")
-            finally:
-                os.close(mine)
+            handle = _import(cu, fd)
             mark("import")
             try:
                 _cuda.check(cu.cuMemMap(ptr + at, n, 0, handle, 0), "map")
@@ -173,22 +182,14 @@ def _pieces_one(cu: Any, fds: list[int], sizes: list[int], dst: int, nbytes: int
             mark("map")
             _access(cu, ptr + at, n)
             mark("access")
-            copy_n = min(n, max(0, nbytes - at))
-            if copy_n:
-                _copy(cu, dst + at, ptr + at, copy_n, stream)
+            _copy(cu, dst, ptr, at, min(n, max(0, nbytes - at)), stream)
             mark("queue")
             at += n
         _cuda.check(cu.cuStreamSynchronize(stream), "sync")
         mark("copy_wait")
     finally:
-        cu.cuStreamSynchronize(stream)
-        for p, n in mapped:
-            _cuda.check(cu.cuMemUnmap(p, n), "unmap")
-        mark("unmap")
-        _cuda.check(cu.cuMemAddressFree(ptr, size), "free")
-        mark("address_free")
-    phases["total"] = time.perf_counter() - t0
-    return phases
+        _unmap(cu, stream, mapped, ptr, size, mark)
+    return clock.done()
 
 
 def _pieces(cu: Any, nbytes: int, dst: int, stream: int, count: int) -> dict[str, Any]:
