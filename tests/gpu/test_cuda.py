@@ -78,9 +78,9 @@ def test_vmm_arena_maps_twice_without_new_memory_and_frees():
     meta, fds = arena.export()
     assert meta["transport"] == "cuda_vmm" and meta["size"] % (2 * MiB) == 0
     imported = transport.attach(meta, [os.dup(fds[0])], DEV)
+    view = imported.tensor()  # mapped when first used
     free2 = free_bytes()
     assert abs(free1 - free2) < 64 * MiB  # a second mapping adds no memory
-    view = imported.tensor()
     assert torch.equal(view, pattern)
     arena.tensor()[:16].fill_(7)  # zero copy: both map the same bytes
     torch.cuda.synchronize(DEV)
