@@ -212,20 +212,28 @@ def test_a_bad_knob_never_fails_a_load_from_disk(name, tmp_path, monkeypatch):
 
 
 def test_ready_reports_the_share(tmp_path, sock_dir, preload):
+    """READY carries the share's stats; a node's first start (no import set yet) starts gentle
+    for START_GENTLE, and a start that finds the import set the first one wrote starts with no
+    gentle span (its census or read settles the share: rank.start_early_reads)."""
     model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=2)
-    p = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir))
+    set_file = tmp_path / "import-set.json"  # this test's own node: no set yet
+    env = {**os.environ, "WEIGHTCACHE_IMPORT_SET": str(set_file)}
+    p = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir), env=env)
     disk = p.wait_ready(120)["rank_loads"][0]["loader"]["disk"]
     assert disk["available"] is True
-    assert set(disk) == {"available", "gentle_seconds", "gentle_switches",
+    assert set(disk) == {"available", "gentle_switches", "gentle_seconds",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
                          "fault_times", "settled_at", "start_gentle"}
-    assert disk["start_gentle"] == diskshare.START_GENTLE
+    assert disk["start_gentle"] == diskshare.START_GENTLE > 0
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
-    # A node's first start (no import set yet) starts gentle: at least that switch, and its
-    # time, are counted. (A rank with an import set starts with no span: the bench's smoke
-    # test of `lean` checks it and the knob, tests/bench/test_smoke.py.)
+    # The first start's gentle span: at least that switch, and its time, are counted.
     assert disk["gentle_switches"] >= 1 and disk["gentle_seconds"] > 0
+    assert wait_until(set_file.exists, 30), "the first start wrote no import set"
+    assert p.stop() == 0
+    again = preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir), env=env)
+    disk = again.wait_ready(120)["rank_loads"][0]["loader"]["disk"]
+    assert disk["start_gentle"] == 0.0
 
 
 # Where shares on made-up counters look for processes: nowhere. With the real /proc, a sample
