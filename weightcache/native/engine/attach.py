@@ -704,8 +704,10 @@ def _from_cache_unchecked(
             for fd in fds:
                 os.close(fd)
         try:
-            copy_into = getattr(imported, "copy_into", None)
-            if destination is not None and copy_into is not None:
+            copy_into = (getattr(imported, "copy_into", None) if destination is not None
+                         else None)
+            if copy_into is not None:
+                assert destination is not None
                 # The transport maps the arena a piece at a time and queues each piece's copy
                 # into the block allocated meanwhile as soon as that piece is mapped, so the
                 # copy runs beside the rest of the map (cuda_vmm with pieces).
@@ -718,16 +720,16 @@ def _from_cache_unchecked(
                     raise CacheProtocolError(
                         f"mapped arena holds {flat.numel()} bytes, the layout needs"
                         f" {plan.layout.nbytes}")
-            if destination is not None and copy_into is None:
-                # One copy of the laid-out bytes into the block allocated meanwhile, queued on
-                # the device; the mapping stays until the views are built, so that work
-                # overlaps the copy (unmapping waits for it).
-                block = destination.take()
-                clock.mark("alloc")
-                need = plan.layout.nbytes
-                block[:need].copy_(flat[:need], non_blocking=True)
-                flat = block
-                clock.mark("copy_queued")
+                if destination is not None:
+                    # One copy of the laid-out bytes into the block allocated meanwhile,
+                    # queued on the device; the mapping stays until the views are built, so
+                    # that work overlaps the copy (unmapping waits for it).
+                    block = destination.take()
+                    clock.mark("alloc")
+                    need = plan.layout.nbytes
+                    block[:need].copy_(flat[:need], non_blocking=True)
+                    flat = block
+                    clock.mark("copy_queued")
             # Our own layout, or the daemon's bound to our files; equal to the served one
             # (its digest). Its rows are checked against the arena as the views are made.
             state = plan.layout.views(flat)

@@ -188,8 +188,6 @@ def deep_prefetch() -> bool:
     return os.environ.get(PREFETCH_ENV, "").strip().lower() != "plain"
 
 
-
-
 def set_path() -> Path | None:
     """Where this rank's import set lives; None when turned off."""
     value = os.environ.get(ENV, "").strip()

@@ -192,8 +192,9 @@ class MappedImport:
 
 
 class DeviceArena:
-    """Daemon side of a CUDA transport: one allocation, a flat uint8 view of it, and its export
-    as the metadata every client checks (transport, sizes, the GPU's UUID, the exporter's pid).
+    """Daemon side of a CUDA transport: one range of memory (one allocation, or with cuda_vmm a
+    few side by side), a flat uint8 view of it, and its export as the metadata every client
+    checks (transport, sizes, the GPU's UUID, the exporter's pid).
 
     The CUDA transports differ only in how the allocation is made, shared and released:
     subclasses allocate after `super().__init__` (setting `_memory`), and implement `_share`
