@@ -25,7 +25,7 @@ from weightcache.native.shared.loader import load_into_arena, plan_layout
 from weightcache.native.shared.sharding import parse_rules
 from weightcache.native.shared.transport import TransportError, _cuda, get_transport
 
-from .conftest import PROBE, daemon_command, run_probe
+from .conftest import PROBE, daemon_command, run_probe, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -271,17 +271,28 @@ def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transpo
 
 def test_copy_mode_attaches_share_one_allocating_thread(daemon_factory, medium_model):
     """Two copy-mode attaches in one process: each gets its own block with the checkpoint's
-    bytes, and both were allocated by the one thread the process keeps (`_Allocator`)."""
+    bytes, and both were allocated by the one thread the process keeps (`_Allocator`), which
+    also unmapped the arena after each copy: once it has, the daemon's release gives the
+    arena's memory back to the device (a mapping left in this process would keep it)."""
     import threading
 
     from safetensors.torch import load_file
 
     from weightcache.native.engine import attach as client
+    from weightcache.native.engine.attach import query
 
     daemon = daemon_factory(medium_model, "cuda_vmm")
+    nbytes = daemon.info["bytes"]
     results = [client.attach(medium_model, device="cuda:0", socket_path=daemon.socket,
                              mode="copy", fallback=False) for _ in range(2)]
     assert [t.name for t in threading.enumerate()].count("weightcache-alloc") == 1
+    assert client._Allocator.settle(30)
+    assert _cuda.RELEASE_ERRORS == []
+    before = free_bytes()
+    reply = query(daemon.socket, "release")
+    assert reply["ok"] and reply["freed"] is True
+    time.sleep(0.5)
+    assert free_bytes() - before >= nbytes * 0.9
     first, second = (r.state_dict for r in results)
     assert all(r.source == "cache" and r.mode == "copy" for r in results)
     want: dict[str, torch.Tensor] = {}
@@ -292,6 +303,42 @@ def test_copy_mode_attaches_share_one_allocating_thread(daemon_factory, medium_m
         assert first[name].data_ptr() != second[name].data_ptr()  # two blocks, not one
         assert torch.equal(first[name].cpu(), tensor), name
         assert torch.equal(second[name].cpu(), tensor), name
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_copy_mode_refused_loads_from_disk_without_its_block(daemon_factory, tmp_path, kept):
+    """A copy-mode attach refused once its block was asked for (a file touched since the
+    daemon loaded it: the claim is refused) loads from disk, and that load does not find the
+    block still held: this process's peak is about one copy of the shard, not two. `kept`:
+    the block was asked for ahead, by the size of the plan an earlier attach kept
+    (`_Destination.guess`), before the touch made that plan stale."""
+    from safetensors.torch import load_file
+
+    from weightcache.native.engine import attach as client
+    from weightcache.native.engine import plancache
+
+    model = write_checkpoint(tmp_path / "model", layers=2, hidden=2048)
+    daemon = daemon_factory(model, "cuda_vmm")
+    nbytes = daemon.info["bytes"]
+    if kept:
+        time.sleep(plancache.RACY_S + 0.1)  # a plan of files this new would not be kept
+        first = client.attach(model, device=DEV, socket_path=daemon.socket, mode="copy",
+                              fallback=False)
+        assert first.source == "cache"
+        del first
+        assert client.PLANS.peek(client._plan_key(model, 1, 0, None, "auto")) is not None
+    os.utime(sorted(model.glob("*.safetensors"))[0])  # a touch: the daemon refuses the claim
+    free_bytes()
+    torch.cuda.reset_peak_memory_stats(DEV)
+    base = torch.cuda.memory_allocated(DEV)
+    res = client.attach(model, device=DEV, socket_path=daemon.socket, mode="copy")
+    peak = torch.cuda.max_memory_allocated(DEV) - base
+    assert res.source == "disk" and res.reason.startswith("fingerprint_mismatch"), res.reason
+    print("copy refused, then disk: peak", peak, "shard", nbytes)
+    assert nbytes * 0.9 <= peak < nbytes * 1.5
+    for f in sorted(model.glob("*.safetensors")):
+        for name, tensor in load_file(f).items():
+            assert torch.equal(res.state_dict[name].cpu(), tensor), name
 
 
 def test_rank_named_by_the_launchers_uuid_checks_it(daemon_factory, medium_model):

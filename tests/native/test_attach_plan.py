@@ -91,6 +91,22 @@ def test_a_kept_plan_is_used_until_any_file_changes(tmp_path, short_racy):
         _plan(model)
 
 
+def test_a_peeked_plan_is_a_guess_and_never_served(tmp_path, short_racy):
+    """`PlanCache.peek` (the size copy mode starts allocating before the plan is checked)
+    gives the kept plan unchecked; the plan an attach serves by is still checked."""
+    from weightcache.native.engine.attach import PLANS, _plan_key
+
+    model = write_llama_checkpoint(tmp_path / "m", TINY, files=2, seed=0)
+    _settle(short_racy)
+    key = _plan_key(model, 1, 0, None, "auto")
+    assert PLANS.peek(key) is None
+    first = _plan(model)
+    assert PLANS.peek(key).layout is first.layout
+    write_llama_checkpoint(model, TINY, files=2, seed=1)
+    assert PLANS.peek(key).layout is first.layout  # a guess: nothing checked
+    assert _plan(model).planned  # what is served by: planned anew
+
+
 def test_a_plan_of_files_written_just_now_is_not_kept(tmp_path):
     model = write_llama_checkpoint(tmp_path / "m", TINY, files=1)
     assert _plan(model).planned and _plan(model).planned

@@ -211,9 +211,15 @@ def _lookup(model_dir: str | os.PathLike, device: torch.device, device_index: in
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"bad tp_rank {tp_rank} for tp_size {tp_size}")
     identity = device_identity(device.type, device_index)
-    key = (os.path.abspath(model_dir), tp_size, tp_rank,
-           None if shard_rules is None else tuple(shard_rules), dtype)
+    key = _plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype)
     return identity, key, plancache.now_ns(), plancache.directory_stamps(Path(model_dir))
+
+
+def _plan_key(model_dir: str | os.PathLike, tp_size: int, tp_rank: int,
+              shard_rules: list[str] | None, dtype: str) -> tuple[Any, ...]:
+    """The plan cache's key: the arguments that shape a plan."""
+    return (os.path.abspath(model_dir), tp_size, tp_rank,
+            None if shard_rules is None else tuple(shard_rules), dtype)
 
 
 def _kept(key: tuple[Any, ...], dirs: tuple[Any, ...], identity: str,
@@ -533,22 +539,28 @@ class _Clock:
 
 
 class _Allocator:
-    """The one thread of this process that allocates copy mode's destination blocks on CUDA.
+    """The one thread of this process that does copy mode's driver work off the attach's path:
+    it allocates destination blocks on CUDA, and unmaps an arena once its copy has landed.
 
     A fresh 16 GB block takes milliseconds of driver calls (16.4-16.6 ms on the H200), which
     run on this thread while the request and the mapping go on. A thread started per attach
     cost the attach its start: 0.52-0.60 ms of `sent` against 0.12 ms into the caller's block
     (`out=`, no thread; H200, runs 35-36), about 0.4 ms of an 11-12 ms copy. This thread is
     started once, when a copy-mode attach begins (`warm`, before its plan), and then waits on
-    its queue; handing it a block costs a queue's `put`. A forked child starts its own.
+    its queue; handing it work costs a queue's `put`. A forked child starts its own.
+
+    The unmap after the copy (`release_later`) was 0.3-0.5 ms on the attach's path, after the
+    copy and before the answer it waits for (H200, run51); nothing the engine holds views the
+    mapping by then, so it can end here. The release makes the device's context current itself
+    (`_cuda.DeviceMemory`), so any thread may run it.
     """
 
     _guard = threading.Lock()
-    _queue: queue.SimpleQueue[_Destination] | None = None
+    _queue: queue.SimpleQueue[Callable[[], None]] | None = None
     _pid = 0
 
     @classmethod
-    def warm(cls) -> queue.SimpleQueue[_Destination]:
+    def warm(cls) -> queue.SimpleQueue[Callable[[], None]]:
         with cls._guard:
             if cls._queue is None or cls._pid != os.getpid():
                 cls._queue, cls._pid = queue.SimpleQueue(), os.getpid()
@@ -557,9 +569,28 @@ class _Allocator:
             return cls._queue
 
     @staticmethod
-    def _serve(work: queue.SimpleQueue[_Destination]) -> None:
+    def _serve(work: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
-            work.get().allocate()
+            work.get()()
+
+    @classmethod
+    def release_later(cls, imported: Any) -> None:
+        """Close a mapping whose copy has landed, on this thread."""
+
+        def release() -> None:
+            try:
+                imported.close()
+            except Exception:  # nothing waits for it: said, never raised into the thread
+                log.exception("weightcache: unmapping a copied arena failed")
+
+        cls.warm().put(release)
+
+    @classmethod
+    def settle(cls, timeout: float | None = None) -> bool:
+        """Wait until the work handed to this thread so far is done (tests, shutdown)."""
+        done = threading.Event()
+        cls.warm().put(done.set)
+        return done.wait(timeout)
 
 
 class _Destination:
@@ -567,6 +598,7 @@ class _Destination:
     (`_Allocator`) makes while the request and the mapping go on."""
 
     def __init__(self, nbytes: int, device: torch.device, out: torch.Tensor | None) -> None:
+        self.nbytes = nbytes
         self.error: BaseException | None = None
         self.block: torch.Tensor | None = None
         self.done: threading.Event | None = None
@@ -586,7 +618,7 @@ class _Destination:
         # allocated on, and the engine uses (and one day frees) it on its own.
         self._request = (nbytes, device, torch.cuda.current_stream(device))
         self.done = threading.Event()
-        _Allocator.warm().put(self)
+        _Allocator.warm().put(self.allocate)
 
     def allocate(self) -> None:
         """On the allocating thread."""
@@ -608,21 +640,49 @@ class _Destination:
         assert self.block is not None
         return self.block
 
+    @classmethod
+    def guess(cls, key: tuple[Any, ...], device: torch.device) -> _Destination | None:
+        """A fresh block of the size of the plan this process keeps for `key`, allocated
+        from now on, before the plan is checked: the allocation (1.4 ms for 16 GB on the H200,
+        longer beside the map) is what a copy into fresh memory waits for, and it no longer
+        starts only after the plan. None without a kept plan. The plan decides: a block of
+        another size is given back before one of the right size is asked for (`fits`)."""
+        kept = PLANS.peek(key)
+        return None if kept is None else cls(kept.layout.nbytes, device, None)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether this block is the size the checked plan needs; if not, it is dropped
+        once allocated, so that the right one is not asked for beside it."""
+        if self.nbytes == nbytes:
+            return True
+        self.drop()
+        return False
+
+    def drop(self) -> None:
+        """Give the block back (once allocated) while this object may still be referenced:
+        a disk load must not find the cache path's block still held."""
+        if self.done is not None:
+            self.done.wait()
+        self.block = None
+
 
 def _from_cache_unchecked(
     spec: ExpectedShard | UnplannedShard, path: Path, *, mode: str, tp_size: int, tp_rank: int,
     connect_timeout_s: float, state_timeout_s: float, phases: dict[str, float] | None = None,
     out: torch.Tensor | None = None, early: _Hello | None = None,
+    guess: _Destination | None = None,
 ) -> tuple[ExpectedShard, dict[str, torch.Tensor], int, int | None]:
     """(the plan served by, the named tensors, the arena's size, the generation); `early`:
-    a connection whose `hello` went out before the plan."""
+    a connection whose `hello` went out before the plan; `guess`: copy mode's block, asked
+    for before the plan by the size of the one kept (`_Destination.guess`)."""
     clock = _Clock({} if phases is None else phases)
     destination: _Destination | None = None
 
     def copy_to(nbytes: int) -> None:
         nonlocal destination
         if mode == "copy" and destination is None:
-            destination = _Destination(nbytes, spec.device, out)
+            destination = (guess if guess is not None and guess.fits(nbytes)
+                           else _Destination(nbytes, spec.device, out))
 
     if isinstance(spec, ExpectedShard):
         # Known already: allocate while we ask. (Started after the requests instead, the
@@ -745,21 +805,23 @@ def _from_cache_unchecked(
             raise
         generation = reply.get("generation")
         if mode == "copy":
-            if plan.device.type == "cuda":
-                torch.cuda.synchronize(plan.device)  # the copy has landed
-            clock.mark("copy")
             try:
+                # Hashed while the copy runs, and asked for before waiting on it: the claim's
+                # last chunks and this call's 0.2 ms (H200, run51) no longer follow the copy.
                 claim = plan.claimed()["content"] if pipelined else None
             except BaseException:
                 imported.close()
                 raise
-            clock.mark("claimed")  # hashed while the copy ran: waits only if it did not
+            clock.mark("claimed")
+            if plan.device.type == "cuda":
+                torch.cuda.synchronize(plan.device)  # the copy has landed
+            clock.mark("copy")
 
             def release() -> None:
-                # Unmapped here, on the engine's thread: the driver calls need this thread's
-                # CUDA context (a new thread has none: cuCtxSynchronize would fail and the
-                # mapping leak).
-                imported.close()
+                if plan.device.type == "cuda":
+                    _Allocator.release_later(imported)  # the unmap, off the attach's path
+                else:
+                    imported.close()  # a host mapping: microseconds
                 clock.mark("release")
 
             _check_unchanged_after_copy(sock, served_at, path, generation, meanwhile=release,
@@ -816,8 +878,12 @@ def attach(
             device_index = tp_rank
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", device_index)
+    guess = None
     if mode == "copy" and out is None and device.type == "cuda":
         _Allocator.warm()  # its thread starts beside the plan, not on the attach's path
+        if tp_size >= 1 and 0 <= tp_rank < tp_size:  # else the plan says what is wrong
+            guess = _Destination.guess(
+                _plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype), device)
     early = _Hello(_early_path(socket_path, socket_dir, device, device_index, role),
                    connect_timeout_s)
     try:
@@ -825,7 +891,7 @@ def attach(
                        tp_rank=tp_rank, socket_dir=socket_dir, socket_path=socket_path,
                        mode=mode, fallback=fallback, connect_timeout_s=connect_timeout_s,
                        state_timeout_s=state_timeout_s, shard_rules=shard_rules, dtype=dtype,
-                       role=role, device_index=device_index, out=out)
+                       role=role, device_index=device_index, out=out, guess=guess)
     finally:
         early.close()  # unused (a plan that failed, a path found otherwise)
 
@@ -835,7 +901,7 @@ def _attach(
     tp_size: int, tp_rank: int, socket_dir: Any, socket_path: str | os.PathLike | None,
     mode: str, fallback: bool, connect_timeout_s: float, state_timeout_s: float,
     shard_rules: list[str] | None, dtype: str, role: str, device_index: int,
-    out: torch.Tensor | None,
+    out: torch.Tensor | None, guess: _Destination | None,
 ) -> AttachResult:
     """`attach` once its arguments are settled and the daemon's `hello` is on its way."""
     # Bad checkpoints and rules are configuration errors: the disk path could not do better.
@@ -861,6 +927,7 @@ def _attach(
                 raise CacheSecurityError(str(exc)) from None
             path = derive_socket_path(directory, spec.identity, role)
         cache_kw = dict(mode=mode, tp_size=tp_size, tp_rank=tp_rank, out=out, phases=phases,
+                        guess=guess,
                         connect_timeout_s=connect_timeout_s, state_timeout_s=state_timeout_s)
         try:
             with gc_paused():
@@ -883,6 +950,12 @@ def _attach(
         if not fallback:
             raise
         reason = f"{exc.reason}: {exc}"
+    if reason is not None:
+        # From disk, outside the handler: the failed cache path's frames went with its
+        # traceback, and with them a copy's destination block, which a disk load beside it
+        # would have doubled on the device. A block allocated ahead (`guess`) is dropped too.
+        if guess is not None:
+            guess.drop()
         cache = os.environ.get(constants.ENV_CACHE)
         log.warning(
             "weightcache%s: loading %s (rank %d/%d) from disk: %s",

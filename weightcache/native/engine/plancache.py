@@ -91,6 +91,12 @@ class PlanCache:
             self._plans.move_to_end(key)
             return plan
 
+    def peek(self, key: tuple[Any, ...]) -> Plan | None:
+        """The plan kept for `key`, unchecked: a guess (copy mode starts allocating a block of
+        its size before the plan is checked), never a plan to serve by."""
+        with self._lock:
+            return self._plans.get(key)
+
     def drop(self, key: tuple[Any, ...]) -> None:
         with self._lock:
             self._plans.pop(key, None)
