@@ -77,7 +77,7 @@ def test_vmm_arena_maps_twice_without_new_memory_and_frees():
     arena.tensor().copy_(pattern)
     meta, fds = arena.export()
     assert meta["transport"] == "cuda_vmm" and meta["size"] % (2 * MiB) == 0
-    imported = transport.attach(meta, [os.dup(fds[0])], DEV)
+    imported = transport.attach(meta, [os.dup(fd) for fd in fds], DEV)
     view = imported.tensor()  # mapped when first used
     free2 = free_bytes()
     assert abs(free1 - free2) < 64 * MiB  # a second mapping adds no memory
@@ -176,7 +176,7 @@ def test_vmm_refuses_another_gpus_arena():
         meta, fds = arena.export()
         meta = {**meta, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}
         with pytest.raises(TransportError, match="lives on GPU"):
-            transport.attach(meta, [os.dup(fds[0])], DEV)
+            transport.attach(meta, [os.dup(fd) for fd in fds], DEV)
     finally:
         arena.close()
 
