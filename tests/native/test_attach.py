@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -179,6 +181,54 @@ def test_copy_mode_clones_and_leaves_the_cache_for_later_engines(ckpt, sock_dir,
     # One engine's copy does not empty the cache for the next one.
     assert query(sock, "get_memory")["bytes"] == ready["bytes"]
     assert attach(ckpt, socket_dir=sock_dir, fallback=False).source == "cache"
+
+
+def _arena_maps() -> int:
+    """Mappings of a daemon's memfd arena in this process (/proc/self/maps)."""
+    return Path("/proc/self/maps").read_text().count("weightcache-arena")
+
+
+def test_copy_mode_asks_for_its_block_ahead_and_unmaps_on_its_thread(
+        tmp_path, sock_dir, preload, monkeypatch):
+    """With a kept plan, copy mode asks for its block before the plan is checked, by the kept
+    plan's size, and unmaps the arena on the process's copy-mode thread once the copy is
+    done: the bytes are the checkpoint's, and once that thread is idle no mapping is left.
+    A checkpoint rewritten since at another size: the block asked for ahead does not fit and
+    one of the right size serves the new bytes (from a daemon of the new files; from disk
+    where the daemon of the old ones refuses them)."""
+    from weightcache.native.engine import plancache
+    from weightcache.testing.checkpoints import write_llama_checkpoint
+
+    monkeypatch.setattr(plancache, "RACY_S", 0.0)  # files written just now may be kept
+    model = write_llama_checkpoint(tmp_path / "m", TINY, files=2, seed=3)
+    preload("--model", str(model), "--weight-cache-socket-dir", str(sock_dir)).wait_ready(120)
+    first = attach(model, socket_dir=sock_dir, mode="copy", fallback=False)
+    assert first.source == "cache"
+    kept = client.PLANS.peek(client._plan_key(model, 1, 0, None, "auto"))
+    assert kept is not None and kept.layout.nbytes == first.nbytes
+    assert client._Allocator.settle(10)
+    before = _arena_maps()
+    res = attach(model, socket_dir=sock_dir, mode="copy", fallback=False)
+    assert res.source == "cache" and res.plan == "kept"
+    assert_matches(res.state_dict, reference(model))
+    assert "weightcache-alloc" in {t.name for t in threading.enumerate()}
+    assert client._Allocator.settle(10)
+    gc.collect()
+    assert _arena_maps() == before  # this attach's mapping is gone
+
+    bigger = dataclasses.replace(TINY, intermediate=TINY.intermediate * 2)
+    write_llama_checkpoint(model, bigger, files=2, seed=4)
+    assert client.PLANS.peek(client._plan_key(model, 1, 0, None, "auto")) is kept
+    moved = attach(model, socket_dir=sock_dir, mode="copy", fallback=True)
+    assert moved.source == "disk" and moved.reason.startswith("fingerprint_mismatch")
+    assert moved.nbytes > first.nbytes
+    assert_matches(moved.state_dict, reference(model))
+    client.PLANS.put(client._plan_key(model, 1, 0, None, "auto"), kept, time.time_ns())
+    other = private_dir(tmp_path / "other")
+    preload("--model", str(model), "--weight-cache-socket-dir", str(other)).wait_ready(120)
+    served = attach(model, socket_dir=other, mode="copy", fallback=False)
+    assert served.source == "cache" and served.nbytes > first.nbytes
+    assert_matches(served.state_dict, reference(model))
 
 
 def test_release_reports_what_zero_copy_engines_still_map(ckpt, sock_dir, preload):

@@ -552,7 +552,8 @@ class _Allocator:
     The unmap after the copy (`release_later`) was 0.3-0.5 ms on the attach's path, after the
     copy and before the answer it waits for (H200, run51); nothing the engine holds views the
     mapping by then, so it can end here. The release makes the device's context current itself
-    (`_cuda.DeviceMemory`), so any thread may run it.
+    (`_cuda.DeviceMemory`), so any thread may run it. Host mappings (memfd) end here too: one
+    path on every device, the one CI runs.
     """
 
     _guard = threading.Lock()
@@ -818,10 +819,7 @@ def _from_cache_unchecked(
             clock.mark("copy")
 
             def release() -> None:
-                if plan.device.type == "cuda":
-                    _Allocator.release_later(imported)  # the unmap, off the attach's path
-                else:
-                    imported.close()  # a host mapping: microseconds
+                _Allocator.release_later(imported)  # the unmap, off the attach's path
                 clock.mark("release")
 
             _check_unchanged_after_copy(sock, served_at, path, generation, meanwhile=release,
@@ -879,7 +877,7 @@ def attach(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", device_index)
     guess = None
-    if mode == "copy" and out is None and device.type == "cuda":
+    if mode == "copy" and out is None:
         _Allocator.warm()  # its thread starts beside the plan, not on the attach's path
         if tp_size >= 1 and 0 <= tp_rank < tp_size:  # else the plan says what is wrong
             guess = _Destination.guess(
