@@ -588,7 +588,7 @@ class _Allocator:
 
     @classmethod
     def settle(cls, timeout: float | None = None) -> bool:
-        """Wait until the work handed to this thread so far is done (tests, shutdown)."""
+        """Wait until the work handed to this thread so far is done (the tests use it)."""
         done = threading.Event()
         cls.warm().put(done.set)
         return done.wait(timeout)
@@ -879,9 +879,9 @@ def attach(
     guess = None
     if mode == "copy" and out is None:
         _Allocator.warm()  # its thread starts beside the plan, not on the attach's path
-        if tp_size >= 1 and 0 <= tp_rank < tp_size:  # else the plan says what is wrong
-            guess = _Destination.guess(
-                _plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype), device)
+        # Bad arguments were never planned, so no plan is kept for them: no guess either.
+        guess = _Destination.guess(_plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype),
+                                   device)
     early = _Hello(_early_path(socket_path, socket_dir, device, device_index, role),
                    connect_timeout_s)
     try:
