@@ -88,8 +88,8 @@ def test_the_load_sections_census_fillreads_and_readjobs_parts_run_at_smoke_size
 def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
     """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
     parts asked for, none of the baselines or warm steps; `startgentle`'s knob reaches the
-    rank's share of the disk."""
-    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle", "many")
+    rank's share of the disk, and `groupbeside`'s the rank's early reads."""
+    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle,groupbeside", "many")
     summary = layout["summary"]
     assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
     for key in ("preload_cold_model", "preload_cold_model_forfill",
@@ -102,6 +102,11 @@ def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparis
         assert summary[f"{key}_ready_s"] > 0, key
         disk = summary[f"{key}_disk"]
         assert disk is not None and disk["start_gentle"] == span, key
+    for key, jobs in (("preload_cold_model", 1), ("preload_cold_model_groupbeside", 4),
+                      ("preload_cold_model_besidejobs_again", 1),
+                      ("preload_cold_model_groupbeside_again", 4)):
+        assert summary[f"{key}_ready_s"] > 0, key
+        assert summary[f"{key}_early"]["beside_jobs"] == jobs, key
     for key in ("load_file_cold", "from_pretrained_cold", "loader_cold", "preload_cold",
                 "load_file_process_cold", "load_file_warm", "preload_warm"):
         assert key not in layout, key

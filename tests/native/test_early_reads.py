@@ -26,6 +26,7 @@ from weightcache.native.shared.coldload import drop_page_cache, load_entries, pl
 from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
     BESIDE_ENV,
+    BESIDE_JOBS_ENV,
     BUDGET_ENV,
     FOR_FILL_ENV,
     MAX_BUDGET,
@@ -34,6 +35,7 @@ from weightcache.native.shared.earlyread import (
     READ_JOBS_ENV,
     EarlyReads,
     _pieces,
+    beside_jobs,
     cover_spans,
     default_budget,
     read_fully,
@@ -550,6 +552,49 @@ def test_after_the_fill_began_and_while_gentle_a_reader_reads_one_job_per_call(t
         early.start().join()
         assert early.calls and all(len(call) == 1 for call in early.calls)
         assert early.stats()["read_bytes"] == files[0].stat().st_size
+        early.close()
+    finally:
+        share.stop()
+
+
+def test_the_beside_jobs_knob_is_lenient_and_bounded(monkeypatch):
+    """Jobs per call beside the fill: one by default, a bad value is the default, a huge one
+    bounded like the start's."""
+    for value, want in (("", 1), ("junk", 1), ("0", 1), ("4", 4), ("100000", MAX_READ_JOBS)):
+        monkeypatch.setenv(BESIDE_JOBS_ENV, value)
+        assert beside_jobs() == want, value
+
+
+def test_with_the_beside_jobs_knob_a_reader_groups_its_jobs_beside_the_fill_too(
+        tmp_path, monkeypatch):
+    """`WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`: after `accept` a call covers up to 4
+    consecutive jobs of one file (never two files', a file's end ends one) and the fill takes
+    each job's own bytes; while gentle, still one job per call."""
+    monkeypatch.setenv(BESIDE_JOBS_ENV, "4")
+    files = _direct_files(tmp_path)
+    early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True)
+    early.accept({p: early.identities[p] for p in files})
+    early.start().join()
+    assert early.stats()["beside_jobs"] == 4
+    sizes = {path: sorted(len(c) for c in early.calls if c[0][0] == path) for path in files}
+    assert sizes == {files[0]: [2, 4], files[1]: [4]}
+    for call in early.calls:
+        assert all(a[2] == b[1] and a[0] == b[0] for a, b in itertools.pairwise(call))
+    for path, start, end in sorted(early._jobs):
+        got = early.take(path, start, end)
+        assert got is not None and bytes(got) == path.read_bytes()[start:end]
+        del got
+    early.close()
+    drop_page_cache(files, everything=False)
+    share = DiskShare(start_gentle=60.0, source="/proc/vmstat")
+    if not share.available:
+        pytest.skip("/proc/vmstat is unreadable here")
+    share.start()
+    try:
+        early = _Calls(files[:1], 1 << 40, chunk=CHUNK, threads=1, direct=True, disk=share)
+        early.accept({files[0]: early.identities[files[0]]})
+        early.start().join()
+        assert early.calls and all(len(call) == 1 for call in early.calls)
         early.close()
     finally:
         share.stop()

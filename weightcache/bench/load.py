@@ -56,7 +56,9 @@ readjobs (READY with the model cold, the early reads one job per call while the 
 `WEIGHTCACHE_EARLY_READ_JOBS=1`, against the default, in turn likewise), startgentle (READY
 with the model cold, the rank's reads gentle for their first half second although its import
 set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the default, full reads
-at once, in turn likewise), and lean
+at once, in turn likewise), groupbeside (READY with the model cold, the early reads 4 jobs
+per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
+default, one job per call once the fill began, in turn likewise), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
 short GPU call for a comparison; before them, where the node has no import set yet, one READY
 that writes it).
@@ -697,7 +699,8 @@ def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
                                              engine_cold_start, model_dir, files)
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     for part, runs in (("fillreads", FILL_READS_READY), ("readjobs", READ_JOBS_READY),
-                       ("startgentle", START_GENTLE_READY)):
+                       ("startgentle", START_GENTLE_READY),
+                       ("groupbeside", GROUP_BESIDE_READY)):
         if part in parts:  # a knob's A/B, in turn with the default
             for key, env in runs.items():
                 r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -861,6 +864,10 @@ READ_JOBS_READY = _in_turn("onejob", "readjobs", {"WEIGHTCACHE_EARLY_READ_JOBS":
 # share (the default until run50), against the default, full at once (diskshare.py).
 START_GENTLE_READY = _in_turn("gentlestart", "startgentle",
                               {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0.5"})
+# The early reads 64 MiB a call beside the fill too (earlyread.py), against the default, a
+# job (16 MiB) a call once the fill began.
+GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",
+                              {"WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL": "4"})
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
@@ -1005,7 +1012,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
-                *START_GENTLE_READY,
+                *START_GENTLE_READY, *GROUP_BESIDE_READY,
                 "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

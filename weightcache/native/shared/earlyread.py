@@ -40,7 +40,11 @@ so the disk drains what is in flight, 0.2 s of it at 16 MiB a read, 0.8 s at 64 
 fill began (`accept`) and while the reads are gentle, a reader reads one job per call again:
 the fill waits for the jobs it takes, and a gentle share allows small pieces only.
 `WEIGHTCACHE_EARLY_READ_JOBS=1` reads a job per call throughout (the earlier way, kept to
-compare).
+compare). `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4` keeps 64 MiB calls beside the fill too:
+the disk read 16 MiB calls 4-9% slower than 64 MiB ones on the H200 (a device read at each,
+run14), the fill's rate on an H100 VM (run50) trailed the rate the same disk kept while the
+rank started (2.3 against 2.5 GB/s), and the early reads' calls need no pinned memory, unlike
+the fill's own (`weightcache bench load`'s `groupbeside` part is its A/B).
 
 The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
 read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
@@ -107,6 +111,7 @@ BUDGET_ENV = "WEIGHTCACHE_LOAD_EARLY_MIB"  # host memory for early reads; 0 turn
 BESIDE_ENV = constants.ENV_EARLY_READS_BESIDE_FILL
 FOR_FILL_ENV = constants.ENV_EARLY_READS_FOR_FILL
 READ_JOBS_ENV = constants.ENV_EARLY_READ_JOBS
+BESIDE_JOBS_ENV = constants.ENV_EARLY_READ_JOBS_BESIDE_FILL
 
 
 def beside_fill() -> bool:
@@ -127,6 +132,12 @@ def read_jobs() -> int:
     MAX_READ_JOBS, default READ_JOBS; more is MAX_READ_JOBS). A bad value is the default: a
     knob that only tunes speed never fails a start."""
     return min(loadenv.positive(READ_JOBS_ENV, READ_JOBS), MAX_READ_JOBS)
+
+
+def beside_jobs() -> int:
+    """`WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL`: consecutive jobs per read once the fill began
+    (1 to MAX_READ_JOBS, default 1; more is MAX_READ_JOBS). A bad value is the default."""
+    return min(loadenv.positive(BESIDE_JOBS_ENV, 1), MAX_READ_JOBS)
 
 
 def span_of(chunk: int) -> int:
@@ -200,6 +211,7 @@ class EarlyReads:
         self.beside = beside_fill()  # go on beside the fill, or stop when it begins
         self.for_fill = for_fill()  # read the jobs the fill reaches first, for it
         self.read_jobs = read_jobs()  # jobs per read while the rank starts
+        self.beside_jobs = beside_jobs()  # and once the fill began
         self._asked: deque[_Job] = deque()  # such jobs, read before any other
         self._reading = 0  # readers past their wait for `after` and not yet done
         self.asked_bytes = 0  # read for the fill, asked by it
@@ -276,14 +288,15 @@ class EarlyReads:
             return []
 
     def _follow(self, job: _Job) -> list[_Job]:
-        """`job` and the waiting jobs right after it in its file, READ_JOBS in all, while the
-        rank starts, the reads are O_DIRECT and not gentle (under the lock). Each job but a
-        file's last is whole pages, so the file range is one and each piece is aligned."""
+        """`job` and the waiting jobs right after it in its file, `read_jobs` in all while the
+        rank starts and `beside_jobs` once the fill began, where the reads are O_DIRECT and not
+        gentle (under the lock). Each job but a file's last is whole pages, so the file range
+        is one and each piece is aligned."""
         jobs = [job]
-        if (self.read_jobs <= 1 or self._accepted or self.direct is False
-                or (self.disk is not None and self.disk.gentle)):
+        count = self.beside_jobs if self._accepted else self.read_jobs
+        if count <= 1 or self.direct is False or (self.disk is not None and self.disk.gentle):
             return jobs
-        while len(jobs) < self.read_jobs and self._next < len(self._order):
+        while len(jobs) < count and self._next < len(self._order):
             last, after = jobs[-1], self._order[self._next]
             if (after.state != 0 or after.path != last.path or after.start != last.end
                     or (last.end - last.start) % PAGE):
@@ -423,7 +436,7 @@ class EarlyReads:
                 "after_accept_bytes": self.after_accept_bytes,
                 "claimed_bytes": self.claimed_bytes, "asked_bytes": self.asked_bytes,
                 "for_fill": self.for_fill, "beside_fill": self.beside,
-                "read_jobs": self.read_jobs,
+                "read_jobs": self.read_jobs, "beside_jobs": self.beside_jobs,
                 "first_read_at": self.first_read_at, "first_landed_at": self.first_landed_at}
 
     def accept(self, identities: dict[Path, FileIdentity]) -> None:
