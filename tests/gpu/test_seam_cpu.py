@@ -237,12 +237,12 @@ def test_vmm_piece_sizes_cover_the_arena_evenly(nbytes, gran, count):
     assert max(sizes) - min(sizes) <= gran
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, 1), ("", 1), ("4", 4), ("16", 16),
-                                             ("17", 16), ("1000", 16), ("0", 1), ("-3", 1),
-                                             ("many", 1)])
+@pytest.mark.parametrize(("value", "want"), [(None, 4), ("", 4), ("1", 1), ("4", 4),
+                                             ("16", 16), ("17", 16), ("1000", 16), ("0", 4),
+                                             ("-3", 4), ("many", 4)])
 def test_vmm_pieces_knob_is_lenient_and_bounded(monkeypatch, value, want):
-    """`WEIGHTCACHE_VMM_PIECES` tunes speed only: a bad value is the default (one piece), and
-    no more pieces than one protocol frame carries fds."""
+    """`WEIGHTCACHE_VMM_PIECES` tunes speed only: a bad value is the default (four pieces),
+    one piece stays possible, and no more pieces than one protocol frame carries fds."""
     from weightcache.native.shared.transport import cuda_vmm
 
     if value is None:
