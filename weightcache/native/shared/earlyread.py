@@ -44,7 +44,10 @@ compare). `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4` keeps 64 MiB calls beside 
 the disk read 16 MiB calls 4-9% slower than 64 MiB ones on the H200 (a device read at each,
 run14), the fill's rate on an H100 VM (run50) trailed the rate the same disk kept while the
 rank started (2.3 against 2.5 GB/s), and the early reads' calls need no pinned memory, unlike
-the fill's own (`weightcache bench load`'s `groupbeside` part is its A/B).
+the fill's own. Measured (`weightcache bench load`'s `groupbeside` part, run54 on an H100 VM,
+three layouts in turn): the early readers then read the whole checkpoint, and READY stayed
+within 0.05 s of the default's; so one job per call stays the default, the knob kept to
+compare on other disks.
 
 The early reads do not hash: while torch imports, its thread must keep a CPU to itself (a
 read that is not O_DIRECT is a kernel memory copy that wants a CPU too: where the file
