@@ -541,6 +541,16 @@ def test_after_the_fill_began_and_while_gentle_a_reader_reads_one_job_per_call(t
     early.start().join()
     assert early.calls and all(len(call) == 1 for call in early.calls)
     early.close()
+    calls, stats = _read_while_gentle(files, accepted=False)
+    assert calls and all(len(call) == 1 for call in calls)
+    assert stats["read_bytes"] == files[0].stat().st_size
+
+
+def _read_while_gentle(files: list[Path], accepted: bool
+                       ) -> tuple[list[list[tuple[Path, int, int]]], dict]:
+    """One early reader's calls and stats over `files` (out of the page cache again) while its
+    disk share is gentle, after `accept` or before it (a skip where /proc/vmstat is
+    unreadable)."""
     drop_page_cache(files, everything=False)
     share = DiskShare(start_gentle=60.0, source="/proc/vmstat")
     if not share.available:
@@ -549,10 +559,12 @@ def test_after_the_fill_began_and_while_gentle_a_reader_reads_one_job_per_call(t
     try:
         assert share.gentle
         early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True, disk=share)
+        if accepted:
+            early.accept({p: early.identities[p] for p in files})
         early.start().join()
-        assert early.calls and all(len(call) == 1 for call in early.calls)
-        assert early.stats()["read_bytes"] == files[0].stat().st_size
+        stats = early.stats()
         early.close()
+        return early.calls, stats
     finally:
         share.stop()
 
@@ -585,19 +597,8 @@ def test_with_the_beside_jobs_knob_a_reader_groups_its_jobs_beside_the_fill_too(
         assert got is not None and bytes(got) == path.read_bytes()[start:end]
         del got
     early.close()
-    drop_page_cache(files, everything=False)
-    share = DiskShare(start_gentle=60.0, source="/proc/vmstat")
-    if not share.available:
-        pytest.skip("/proc/vmstat is unreadable here")
-    share.start()
-    try:
-        early = _Calls(files[:1], 1 << 40, chunk=CHUNK, threads=1, direct=True, disk=share)
-        early.accept({files[0]: early.identities[files[0]]})
-        early.start().join()
-        assert early.calls and all(len(call) == 1 for call in early.calls)
-        early.close()
-    finally:
-        share.stop()
+    calls, _ = _read_while_gentle(files[:1], accepted=True)
+    assert calls and all(len(call) == 1 for call in calls)
 
 
 def test_a_file_shorter_than_its_jobs_keeps_only_the_jobs_read_whole(tmp_path):
