@@ -811,6 +811,8 @@ def _from_cache_unchecked(
                 # last chunks and this call's 0.2 ms (H200, run51) no longer follow the copy.
                 claim = plan.claimed()["content"] if pipelined else None
             except BaseException:
+                # The copy may still be running from this mapping: every CUDA transport's
+                # close synchronizes the device before it unmaps (cuda_vmm, cuda_ipc).
                 imported.close()
                 raise
             clock.mark("claimed")
