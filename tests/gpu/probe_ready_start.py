@@ -1,8 +1,9 @@
 """READY with the model cold, this tree against a base tree, alternated in one run, and where
 the time before the first byte goes.
 
-Each READY is a real `weightcache preload` of the `sharded` 8B-shaped checkpoint (four
-`save_pretrained` shards, 16 GB) with only the checkpoint dropped from the page cache. With
+Each READY is a real `weightcache preload` of the 8B-shaped checkpoint (16 GB; PROBE_LAYOUT,
+default `sharded`: four `save_pretrained` shards; `single` or `many` as `weightcache bench load`
+writes them) with only the checkpoint dropped from the page cache. With
 PROBE_BASE (a directory holding a `weightcache` package: the base tree), the base runs with
 that directory first on PYTHONPATH, in turn with this tree, PROBE_ROUNDS times each, after one
 READY of each that is not counted (each writes its own import set). The device read (32 x 64
@@ -11,7 +12,8 @@ seconds from the spawn (`bench/load.start_marks`), with the disk's first second.
 the driver's start in fresh processes (`import cuda.bindings.driver`, `cuInit`, one UUID),
 which the launcher and, before it was handed its UUID, every rank paid before the first read.
 
-Run: `tests/gpu/run_device.sh probe_ready_start` (PROBE_ROUNDS, default 2; PROBE_BASE).
+Run: `tests/gpu/run_device.sh probe_ready_start` (PROBE_ROUNDS, default 2; PROBE_BASE;
+PROBE_LAYOUT).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _row(variant: str, ready: dict[str, Any], load: Any) -> dict[str, Any]:
             "ready_seconds": r.get("seconds"), "phases": rank.get("phases"),
             "early_bytes": early.get("read_bytes"),
             "marks": ready.get("start_marks"),
+            "start_waits": load._start_waits(ready.get("waits")),
             "import_prefetch": {k: (rank.get("import_prefetch") or {}).get(k)
                                 for k in ("files", "bytes", "checked_only", "warm",
                                           "seconds")},
@@ -74,9 +77,11 @@ def main() -> int:
                               text=True, timeout=60)
         out["driver_start"].append(done.stdout.strip() or done.stderr.strip()[-300:])
     print(json.dumps({"driver_start": out["driver_start"]}), flush=True)
+    layout = os.environ.get("PROBE_LAYOUT", "sharded")
+    out["layout"] = layout
     model = load.build_model(load.LLAMA_8B)
-    path = work / "sharded"
-    out["checkpoint"] = load.write_layout(model, "sharded", path, None)
+    path = work / layout
+    out["checkpoint"] = load.write_layout(model, layout, path, None)
     del model
     torch.cuda.empty_cache()
     files = g._files(path)

@@ -23,6 +23,7 @@ from weightcache.native.engine.attach import query
 from weightcache.native.shared import content
 from weightcache.native.shared.checkpoint import open_checkpoint
 from weightcache.native.shared.coldload import drop_page_cache, load_entries, plan_jobs, span_of
+from weightcache.native.shared.content import FileIdentity
 from weightcache.native.shared.diskshare import DiskShare
 from weightcache.native.shared.earlyread import (
     BESIDE_ENV,
@@ -83,6 +84,7 @@ def test_early_jobs_are_fill_jobs(model):
     sizes = {f: f.stat().st_size for f in ckpt.files}
     fill = {(j.path, j.start, j.end) for j in plan_jobs(list(lay.entries), span_of(CHUNK), sizes)}
     early = EarlyReads(ckpt.files, 1 << 40, chunk=CHUNK)
+    early._ready()  # never started: the jobs are cut on first use
     assert set(early._jobs) <= fill and len(early._jobs) == len(fill)
     assert cover_spans(0, 10) == [(0, 0)]
     assert cover_spans(25, 10) == [(0, 10), (10, 20), (20, 25)]
@@ -323,6 +325,47 @@ def test_the_early_reads_go_on_beside_the_fill_and_each_job_is_read_once(tmp_pat
     assert stopped.read_bytes == 0 and stopped.stats()["beside_fill"] is False
     for e in (early, late, stopped):
         e.close()
+
+
+def test_the_files_are_opened_beside_the_reads_not_before_them(tmp_path):
+    """Neither `EarlyReads(...)` nor `start` opens a file: the rank's main thread goes on to
+    its `import torch` at once (291 opens took 36-96 ms there on H100 VMs, runs 54 and 56).
+    One of the pool's threads opens the files in name order, and each file is read as soon
+    as it is open, not after the last one. The fill never waits for the opener: `accept`
+    ends the opening, and a file opened after it is closed, not read. A FIFO last in name
+    order makes the opener's last open block until a writer comes."""
+    files = []
+    for i, size in enumerate((3 * CHUNK + 5, CHUNK // 3)):
+        files.append(tmp_path / f"f{i}.bin")
+        files[-1].write_bytes(os.urandom(size))
+    fifo = tmp_path / "z-pipe"
+    os.mkfifo(fifo)
+    made: list[EarlyReads] = []
+    starter = threading.Thread(target=lambda: made.append(EarlyReads(
+        [fifo, *files], 1 << 40, chunk=CHUNK, threads=2, direct=False).start()), daemon=True)
+    starter.start()
+    starter.join(30)
+    early = made[0] if made else None
+    try:
+        assert early is not None, "EarlyReads(...).start() waited for a blocked open"
+        total = sum(f.stat().st_size for f in files)
+        assert wait_until(lambda: early.read_bytes == total, 30), early.stats()
+        assert not early._opened.is_set()  # the pipe's open still blocks: read all the same
+        idents = {f: FileIdentity.of(f.stat()) for f in files}
+        accepter = threading.Thread(target=early.accept, args=(idents,), daemon=True)
+        accepter.start()
+        accepter.join(30)
+        assert not accepter.is_alive(), "accept() waited for the opener"
+    finally:
+        os.close(os.open(fifo, os.O_WRONLY))  # the opener's open returns
+    assert early._opened.wait(30)
+    assert set(early.identities) == set(files)  # the pipe, opened after accept, is closed
+    for path in files:
+        for start, end in cover_spans(path.stat().st_size, early.span):
+            got = early.take(path, start, end)
+            assert got is not None and bytes(got) == path.read_bytes()[start:end]
+            del got
+    early.close()
 
 
 def test_readers_waiting_for_the_import_set_stop_at_once(tmp_path):
@@ -607,6 +650,7 @@ def test_a_file_shorter_than_its_jobs_keeps_only_the_jobs_read_whole(tmp_path):
     changed)."""
     files = _direct_files(tmp_path)[:1]
     early = _Calls(files, 1 << 40, chunk=CHUNK, threads=1, direct=True)
+    early._ready()  # the jobs cut now, before the file is cut short
     spans = sorted((s, e) for _, s, e in early._jobs)
     assert len(spans) >= READ_JOBS
     cut = spans[1][1] + 4096  # two jobs whole, the third begun

@@ -185,7 +185,8 @@ class _Job:
     path: Path
     start: int
     end: int
-    at: int  # offset of the job's first byte in the mapping (page-aligned)
+    at: int  # offset of the job's first byte in its file's mapping (page-aligned)
+    buf: mmap.mmap | None  # that mapping
     # 0 waiting, 1 reading, 2 done, 3 dropped, 4 the fill's (it reads it), 5 asked for by the
     # fill (an early reader reads it next)
     state: int = 0
@@ -203,7 +204,7 @@ class EarlyReads:
         self.span = grid_span(span_of(chunk or loadenv.chunk()))  # the fill's jobs
         self.threads = max(1, threads or DEFAULT_THREADS)
         self.direct = direct if hasattr(os, "O_DIRECT") else False
-        self.identities: dict[Path, FileIdentity] = {}
+        self._identities: dict[Path, FileIdentity] = {}
         self._fds: dict[Path, int] = {}
         self._jobs: dict[tuple[Path, int, int], _Job] = {}
         self._order: list[_Job] = []
@@ -223,7 +224,6 @@ class EarlyReads:
         self._pool: Pool | None = None
         self._after: threading.Event | None = None
         self._wait_s = 0.0
-        self._map: mmap.mmap | None = None
         self.read_bytes = self.direct_bytes = self.taken_bytes = self.resident_bytes = 0
         self.idle_io = False
         self.started = self.seconds = 0.0
@@ -232,42 +232,103 @@ class EarlyReads:
         # first read was asked for and the first landed: the start's disk-idle time ends here.
         self.first_read_at: float | None = None
         self.first_landed_at: float | None = None
-        used = 0
-        try:
-            for path in sorted(Path(p) for p in files):
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                self._fds[path] = fd
-                self.identities[path] = ident = FileIdentity.of(os.fstat(fd))
-                for start, end in cover_spans(ident.size, self.span):
-                    room = (end - start) + (-(end - start)) % PAGE + PAGE
-                    if used + room > budget:
-                        break
-                    job = _Job(path, start, end, used)
-                    self._jobs[(path, start, end)] = job
-                    self._order.append(job)
-                    used += room
-                if used + PAGE > budget:
-                    break
-        except OSError:
-            self._order.clear()  # the fill reports unreadable files; nothing early then
-            self._jobs.clear()
-        self.budget = used
-        if used:
-            self._map = mmap.mmap(-1, used, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: 512x fewer faults while it fills
-                with contextlib.suppress(OSError):
-                    self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._unopened = deque(sorted(Path(p) for p in files))
+        self._budget_left = budget
+        self.budget = 0  # the bytes of the jobs cut so far
+        self._maps: list[mmap.mmap] = []  # one per file, for its jobs
+        # The files are opened by one of the pool's threads, one after another, and each
+        # file's jobs go to the readers as soon as it is open: on an H100 VM a rank's main
+        # thread spent 36-96 ms opening 291 files before its `import torch` (a few of them,
+        # the same in each run, blocked 15-41 ms each in `openat`; run54, run56), and a
+        # helper that opened them all before the first read delayed that read by as much.
+        self._cutting = True  # files may still be opened and cut (not after `accept`)
+        self._opened = threading.Event()  # the opener is done (or will never run)
         self._next = 0
+
+    def _open_files(self) -> None:
+        """Open the files in name order, each file's identity taken before its first read,
+        and cut each one's jobs within the budget as soon as it is open. A file that cannot be
+        opened or mapped is left to the fill (which says why); so is every file once the fill
+        began (`accept`) or the reads stop."""
+        try:
+            while True:
+                with self._lock:
+                    if (not self._unopened or not self._cutting or self._stop.is_set()
+                            or self._budget_left < 2 * PAGE):
+                        return
+                    path = self._unopened.popleft()
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    self._cut(path, fd, FileIdentity.of(os.fstat(fd)))
+                except (OSError, ValueError):  # no memory for its jobs: the fill's
+                    os.close(fd)
+        finally:
+            with self._lock:
+                self._cutting = False
+                self._lock.notify_all()  # readers waiting for jobs: there are no more
+            self._opened.set()
+
+    def _cut(self, path: Path, fd: int, ident: FileIdentity) -> None:
+        """`path`'s jobs within what is left of the budget, in a mapping of its own, handed
+        to the readers at once (or the file closed, if the fill began meanwhile)."""
+        spans: list[tuple[int, int, int]] = []
+        room = 0
+        for start, end in cover_spans(ident.size, self.span):
+            size = (end - start) + (-(end - start)) % PAGE + PAGE
+            if room + size > self._budget_left:
+                break
+            spans.append((start, end, room))
+            room += size
+        buf = mmap.mmap(-1, room, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if room else None
+        if buf is not None and hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: fewer faults
+            with contextlib.suppress(OSError):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+        with self._lock:
+            if not self._cutting or self._stop.is_set():
+                os.close(fd)
+                if buf is not None:
+                    buf.close()
+                return
+            self._fds[path] = fd
+            self._identities[path] = ident
+            if buf is not None:
+                self._maps.append(buf)
+            for start, end, at in spans:
+                job = _Job(path, start, end, at, buf)
+                self._jobs[(path, start, end)] = job
+                self._order.append(job)
+            self._budget_left -= room
+            self.budget += room
+            self._lock.notify_all()
+
+    def _ready(self) -> None:
+        """Never started (a tool's or a test's use): the files are opened here, at once.
+        Started, nothing waits for the opener: a job it has not cut yet is the fill's."""
+        if self._pool is None and not self._opened.is_set():
+            self._open_files()
+
+    @property
+    def identities(self) -> dict[Path, FileIdentity]:
+        """Each file's identity, taken when it was opened, before its first early read;
+        once the opener is done."""
+        self._ready()
+        self._opened.wait()
+        return self._identities
 
     def start(self, after: threading.Event | None = None, wait_s: float = 0.0) -> EarlyReads:
         """Start reading; with `after`, only once it is set (at most `wait_s` later): the
         rank's own start reads its import set first (importset.py)."""
         self.started = time.perf_counter()
         self._after, self._wait_s = after, wait_s
-        count = min(self.threads, len(self._order))
         # Started by a helper: the rank's main thread goes on to its import at once. Kept
         # before it starts, so that `stop()` waits for it even if a signal interrupts `start`.
-        self._pool = Pool(self._work, count, "early", daemon=True)
+        # Thread 0 opens the files (first: the helper starts threads in order); the others
+        # read. A pool whose gate closed before the opener ran still marks the files opened.
+        self._pool = Pool(self._work, self.threads + 1, "early", daemon=True,
+                          on_last=self._opened.set)
         self._pool.start(background=True)
         return self
 
@@ -282,13 +343,16 @@ class EarlyReads:
                 if job.state == 5:  # else the fill took it back (`take`)
                     job.state = 1
                     return [job]
-            while not self._stop.is_set() and self._next < len(self._order):
-                job = self._order[self._next]
-                self._next += 1
-                if job.state == 0:
-                    job.state = 1
-                    return self._follow(job)
-            return []
+            while True:
+                while not self._stop.is_set() and self._next < len(self._order):
+                    job = self._order[self._next]
+                    self._next += 1
+                    if job.state == 0:
+                        job.state = 1
+                        return self._follow(job)
+                if not self._cutting or self._stop.is_set():
+                    return []
+                self._lock.wait()  # the opener's next file (or the end of the files)
 
     def _follow(self, job: _Job) -> list[_Job]:
         """`job` and the waiting jobs right after it in its file, `read_jobs` in all while the
@@ -321,7 +385,11 @@ class EarlyReads:
                 return
             self._after.wait(min(left, STOP_POLL_S))
 
-    def _work(self, index: int) -> None:
+    def _work(self, thread: int) -> None:
+        if thread == 0:
+            self._open_files()
+            return
+        index = thread - 1  # the reader's
         direct_fds: dict[Path, int] = {}
         if idle_io_priority():
             self.idle_io = True
@@ -360,7 +428,6 @@ class EarlyReads:
     def _read(self, jobs: list[_Job], direct_fds: dict[Path, int]) -> int:
         """Read `jobs` (consecutive in one file) with one call where it can; how many of them,
         from the first, were read whole."""
-        assert self._map is not None
         first = jobs[0]
         base = self._fds[first.path]
         if self.direct == "auto" and resident(base, first.start, jobs[-1].end - first.start):
@@ -407,10 +474,10 @@ class EarlyReads:
         return done
 
     def _view(self, job: _Job, page: bool) -> memoryview:
-        """The job's place in the mapping; whole pages for O_DIRECT (`page`)."""
-        assert self._map is not None
+        """The job's place in its file's mapping; whole pages for O_DIRECT (`page`)."""
+        assert job.buf is not None
         n = job.end - job.start
-        return memoryview(self._map)[job.at : job.at + n + ((-n) % PAGE if page else 0)]
+        return memoryview(job.buf)[job.at : job.at + n + ((-n) % PAGE if page else 0)]
 
     def join(self) -> None:
         """Wait until every job within the budget was read (a test's, or a tool's, wait)."""
@@ -421,6 +488,8 @@ class EarlyReads:
         """No new reads; wait for those in flight. Idempotent (the figures of the first stop)."""
         first = not self._stop.is_set()
         self._stop.set()
+        with self._lock:
+            self._lock.notify_all()  # readers waiting for the opener's next file
         if self._pool is not None:
             try:
                 self._pool.wait()
@@ -449,14 +518,18 @@ class EarlyReads:
         on, and those in flight land beside the fill); `seconds` is the time until now. A
         file the fill refused is read no further here. An empty `identities` (a fill that
         digests only a share of the chunks) refuses every file: then nothing more is read
-        early."""
+        early. No file is opened early from now on: the jobs the opener had not cut are
+        the fill's."""
+        self._ready()
         with self._lock:
             if not self._accepted and not self._stop.is_set() and self.started:
                 self.seconds = time.perf_counter() - self.started
             self._accepted = True
+            self._cutting = False
             if not self.beside:
                 self._stop.set()  # no new early read; those in flight still land
-            for path, ident in self.identities.items():
+            self._lock.notify_all()  # readers waiting for the opener's next file
+            for path, ident in self._identities.items():
                 if identities.get(path) != ident:
                     self._refused.add(path)
             for job in self._order:
@@ -465,6 +538,7 @@ class EarlyReads:
 
     def holds(self, path: Path, start: int, end: int) -> bool:
         """Read already, or being read (`take` waits for it)."""
+        self._ready()
         with self._lock:
             job = self._jobs.get((path, start, end))
             return job is not None and job.state in (1, 2) and path not in self._refused
@@ -500,13 +574,13 @@ class EarlyReads:
                     self.claimed_bytes += end - start
                     return None
                 self._lock.wait()
-            if job is None or job.state != 2 or self._map is None:
+            if job is None or job.state != 2 or job.buf is None:
                 return None
             job.state = 3
             self.taken_bytes += end - start
         import numpy as np
 
-        return np.frombuffer(self._map, dtype=np.uint8, count=end - start, offset=job.at)
+        return np.frombuffer(job.buf, dtype=np.uint8, count=end - start, offset=job.at)
 
     def close(self) -> None:
         """Stop, and give the memory and the descriptors back (views from `take` must be gone)."""
@@ -516,11 +590,11 @@ class EarlyReads:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        if self._map is not None:
+        for buf in self._maps:
             # A view still alive somewhere: the mapping goes with the last reference.
             with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
+                buf.close()
+        self._maps.clear()
 
 
 def read_fully(fd: int, views: memoryview | list[memoryview], offset: int,
