@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attach": ("weightcache.native.engine.attach_command",
                "attach like a restarting engine, print one JSON line"),
     "update": ("weightcache.native.coordinator", "update running daemons in place to a new model"),
+    "import-set": ("weightcache.native.daemon.seedset",
+                   "record the import set a node's first start reads ahead (image build)"),
     "digest": ("weightcache.native.shared.content",
                "full content digest of a checkpoint (for an audit)"),
     "bench": ("weightcache.bench.report", "benchmarks: attach vs. disk load, operator, admission"),

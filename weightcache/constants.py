@@ -92,6 +92,10 @@ ENV_IMPORT_SET_PREFETCH = "WEIGHTCACHE_IMPORT_SET_PREFETCH"
 # earlier way, kept to compare).
 ENV_IMPORT_SET_WARM = "WEIGHTCACHE_IMPORT_SET_WARM"
 IMPORT_SET_NAME = "import-set.json"
+# An import set recorded where the rank's libraries were installed (the agent image's build,
+# `weightcache import-set record`): read ahead at a node's first start, before the node has a
+# set of its own. Unset: none.
+ENV_IMPORT_SET_SEED = "WEIGHTCACHE_IMPORT_SET_SEED"
 
 # Environment of agent pods (downward API and plan path).
 ENV_CACHE_NAME = "WEIGHTCACHE_CACHE_NAME"

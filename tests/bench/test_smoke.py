@@ -58,12 +58,19 @@ def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
     return json.loads(out.read_text())["layouts"][layout]
 
 
-def test_the_load_sections_census_fillreads_and_readjobs_parts_run_at_smoke_size(tmp_path):
+def test_the_load_sections_census_fillreads_readjobs_and_seed_parts_run_at_smoke_size(
+        tmp_path):
     """`census` (READY after an engine's cold start, with and without the import set's warm
     verdict), `fillreads` (the fill reading what it reaches first itself, or the early
-    readers for it) and `readjobs` (one job or several per early read call) are a GPU run's
-    A/Bs: their code runs here, and each knob reaches the rank."""
-    summary = _smoke_load(tmp_path, "census,fillreads,readjobs", "sharded")["summary"]
+    readers for it), `readjobs` (one job or several per early read call) and `seed` (a node's
+    first start reading an image's seed) are a GPU run's A/Bs: their code runs here, and each
+    knob reaches the rank."""
+    summary = _smoke_load(tmp_path, "census,fillreads,readjobs,seed", "sharded")["summary"]
+    # `seed`: a node's first start again, reading the seed an agent image carries.
+    seeded = summary["preload_cold_seeded_first_start_import_prefetch"]
+    assert summary["preload_cold_seeded_first_start_ready_s"] > 0
+    assert seeded["seeded"] is True and seeded["files"] > 0
+    assert summary["preload_cold_import_prefetch"]["seeded"] is False
     for key in ("preload_cold_model_restart", "preload_cold_model_restart_nowarm",
                 "preload_cold_model_restart_again"):
         assert summary[f"{key}_ready_s"] > 0, key

@@ -423,6 +423,129 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert not set_file.exists()
 
 
+def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, sock_dir,
+                                                                     preload):
+    """The seed (`weightcache import-set record`, as the agent image's build runs it): a
+    readable 0644 file of torch's libraries and modules. A rank whose node has no set of its
+    own reads the seed ahead (READY says `seeded`), then writes the node's own set, which the
+    next start reads instead. `off` reads neither."""
+    import subprocess
+    import sys
+
+    seed = tmp_path / "image" / "import-set.seed.json"
+    env = {k: v for k, v in os.environ.items() if k not in (importset.ENV, importset.SEED_ENV)}
+    done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
+                           str(seed)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["path"] == str(seed) and said["files"] > 100 and said["bytes"] > 0
+    assert seed.stat().st_mode & 0o777 == 0o644 and seed.parent.stat().st_mode & 0o777 == 0o755
+    files = importset.load(seed)
+    assert len(files) == said["files"]
+    assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
+    assert any(f["path"].endswith("/weightcache/native/shared/coldload.py") for f in files)
+    model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
+    args = ("--model", str(model), "--weight-cache-socket-dir", str(sock_dir))
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    env[importset.SEED_ENV] = str(seed)
+    own = tmp_path / "cache" / "weightcache" / importset.SET_NAME
+    p = preload(*args, env=env)
+    first = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    assert first["seeded"] is True and first["done"]
+    assert first["files"] + first["unread"] == len(files)
+    assert first["bytes"] + first["resident_bytes"] > 0  # read, or found in memory already
+    deadline = time.monotonic() + 60
+    while not own.exists():
+        assert time.monotonic() < deadline, "a start that read the seed wrote no set"
+        time.sleep(0.1)
+    p.stop()
+    mine = importset.load(own)
+    assert mine and not any(f["path"] == str(seed) for f in mine)  # the seed is not the start's
+    p = preload(*args, env=env)
+    again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
+    assert again["seeded"] is False and again["files"] > 0
+    p.stop()
+    own.unlink()
+    p = preload(*args, env={**env, importset.ENV: "off"})
+    assert p.wait_ready(120)["rank_loads"][0]["import_prefetch"] is None
+    p.stop()
+
+
+def test_the_seed_recorder_drops_the_installed_files_from_the_page_cache_first():
+    """A seed recorded over a warm page cache names whole libraries (an image's build has just
+    written them): on the development machine 302 MB against a cold start's 144 MB, and the
+    seeded start was the slowest (docs/results/cpu-2026-12-06-seed). The recorder drops the
+    interpreter's and the packages' files first: a module file read whole is not resident
+    after it, where its file system lets pages go at all."""
+    import sysconfig
+
+    from weightcache.native.daemon import seedset
+
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    probe = next(p for p in (stdlib / "turtle.py", stdlib / "pydoc.py", stdlib / "difflib.py")
+                 if p.exists())
+    probe.read_bytes()
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        if not resident(fd, 0, probe.stat().st_size):
+            pytest.skip("the file's pages did not stay in the page cache")
+        if seedset.evict_libraries() == 0:
+            pytest.fail("no installed file was seen")
+        if resident(fd, 0, probe.stat().st_size):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if resident(fd, 0, probe.stat().st_size):  # e.g. tmpfs: nothing can be dropped
+                pytest.skip("this file system keeps the pages")
+            pytest.fail(f"{probe} was not dropped")
+    finally:
+        os.close(fd)
+
+
+def test_a_seed_is_read_only_where_the_nodes_set_is_missing_and_only_if_trusted(
+        tmp_path, monkeypatch):
+    """The seed may be root's (the image's build) or this user's, never writable by others;
+    the node's own set, where there is one we trust, wins."""
+    lib = _file(tmp_path / "lib.so", 4)
+    ident = importset._identity(lib.stat())
+
+    def write(path: Path, pages: int) -> Path:
+        path.write_text(json.dumps({"version": importset.VERSION, "files": [
+            {"path": str(lib), "identity": ident, "ranges": [[0, pages * PAGE]]}]}))
+        os.chmod(path, 0o644)
+        return path
+
+    seed, own = write(tmp_path / "seed.json", 1), tmp_path / "own.json"
+    monkeypatch.setenv(importset.ENV, str(own))
+    monkeypatch.setenv(importset.SEED_ENV, str(seed))
+
+    def started() -> importset.Prefetch:
+        found, prefetch = importset.start_prefetch()
+        importset.stop_watching()  # this test process's opens are no start's
+        assert found == own and prefetch is not None
+        assert prefetch.done.wait(30)
+        return prefetch
+
+    first = started()
+    assert first.seeded and first.files[0]["ranges"] == [(0, PAGE)] and first.needs_record()
+    write(own, 2)
+    os.chmod(own, 0o600)
+    second = started()
+    assert not second.seeded and second.files[0]["ranges"] == [(0, 2 * PAGE)]
+    assert not second.needs_record()
+    own.unlink()
+    os.chmod(seed, 0o664)  # writable by its group: not trusted
+    assert started().files == []
+    os.chmod(seed, 0o644)
+    if os.getuid() == 0:  # root can give it to another user, whose seed is not trusted
+        os.chown(seed, 4321, 4321)
+        assert started().files == []
+        assert importset.load(seed, owners=(4321,)) != []
+    monkeypatch.setenv(importset.SEED_ENV, "off")
+    assert importset.seed_path() is None and started().files == []
+    monkeypatch.setenv(importset.ENV, "off")
+    monkeypatch.setenv(importset.SEED_ENV, str(seed))
+    assert importset.start_prefetch() == (None, None)
+
+
 def _distributions_with_entry_points() -> bool:
     import importlib.metadata
 

@@ -58,7 +58,10 @@ with the model cold, the rank's reads gentle for their first half second althoug
 set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the default, full reads
 at once, in turn likewise), groupbeside (READY with the model cold, the early reads 4 jobs
 per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
-default, one job per call once the fill began, in turn likewise), and lean
+default, one job per call once the fill began, in turn likewise), seed (READY with every
+cache dropped as a node's first start again, with no import set of its own but the seed an
+agent image carries, `weightcache import-set record` run in a fresh process, named by
+`WEIGHTCACHE_IMPORT_SET_SEED`), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
 short GPU call for a comparison; before them, where the node has no import set yet, one READY
 that writes it).
@@ -467,6 +470,31 @@ def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | N
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
+def seeded_first_start(model: Path, files: list[Path], found: Path) -> dict:
+    """READY with every cache dropped on a node with no import set of its own but the seed an
+    agent image carries (`weightcache import-set record`, recorded here in a fresh process as
+    the image's build does it). The node's set (`found`) is put back afterwards, so the steps
+    after this one start as they would have."""
+    seed = found.with_name("import-set.seed.json")
+    recorded = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
+                               str(seed)], capture_output=True, text=True, timeout=300)
+    if recorded.returncode != 0:
+        raise RuntimeError(f"import-set record: {recorded.stderr[-500:]}")
+    kept = found.with_name(f"{found.name}.kept")
+    had = found.exists()
+    if had:
+        os.replace(found, kept)
+    try:
+        out = preload_once(model, files, True, {"WEIGHTCACHE_IMPORT_SET_SEED": str(seed)})
+        out["seed"] = json.loads(recorded.stdout)
+        return out
+    finally:
+        if had:
+            os.replace(kept, found)
+        else:
+            found.unlink(missing_ok=True)
+
+
 def _import_set(env: dict[str, str] | None = None) -> Path | None:
     value = (env or {}).get("WEIGHTCACHE_IMPORT_SET") or os.environ.get("WEIGHTCACHE_IMPORT_SET")
     return Path(value) if value and value != "off" else None
@@ -671,6 +699,10 @@ def _baselines_and_cold(r: dict[str, Any], model_dir: Path, files: list[Path], p
         r["preload_cold_first_start"] = _safe("preload cold, a node's first start",
                                               preload_once, model_dir, files, True)
     r["preload_cold"] = _safe("preload cold", preload_once, model_dir, files, True)
+    if "seed" in parts and (found := _import_set()) is not None:  # a first start, seeded
+        r["preload_cold_seeded_first_start"] = _safe(
+            "preload cold, a node's first start with the image's seed", seeded_first_start,
+            model_dir, files, found)
     if "plainprefetch" in parts and _import_set() is not None:  # the import set read as before
         for key, env in PLAIN_PREFETCH_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, True, env)
@@ -1008,7 +1040,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_start_waits"] = _start_waits(_get(r, "preload_cold", "waits"))
         s["preload_cold_start_marks"] = _get(r, "preload_cold", "start_marks")
         s["preload_cold_wall_to_ready_s"] = _get(r, "preload_cold", "wall_to_ready_s")
-    for key in ("preload_cold_first_start", "preload_cold_import_wait", "preload_cold_no_early",
+    for key in ("preload_cold_first_start", "preload_cold_seeded_first_start",
+                "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,

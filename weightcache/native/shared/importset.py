@@ -50,6 +50,18 @@ the socket directory: engines mount that, and it holds sockets only. The set is 
 atomically (a private temporary file, then rename) and read only if it is a regular file of
 ours, not writable by others, at most MAX_SET_BYTES long; anything else is ignored.
 
+A node's first start has no set of its own, and it is the start that needs one most: on an
+H100 VM READY with every cache dropped took 13.8 s with no set against 9.7 s with one (run57),
+slower than `from_pretrained` in a warm process (10.6 s), and a node new to a model is where an
+engine waits for the cache (a scale-up). So the agent image carries a *seed*: the set of a start
+recorded where the libraries were installed (`weightcache import-set record PATH`, run by
+Dockerfile.agent, `WEIGHTCACHE_IMPORT_SET_SEED` naming it). The files of an image are the same
+files (size and mtime) on every node that runs it, so the seed's entries hold there. It is read
+only where the node's own set is missing or untrusted; it may be owned by root (the image's
+build), never writable by others; the start then writes the node's own set all the same
+(`needs_record`), which adds what only a node has (the driver's libraries, mounted at run time)
+and is read from then on. READY's `import_prefetch.seeded` says a seed was read.
+
 The prefetch is the first thing a rank process does (`python -m weightcache.native.daemon`
 runs `start_prefetch` before it imports the rank's own modules): those modules, numpy among
 their imports (60-200 ms of imports on a warm machine, longer from a cold disk), are in the set
@@ -85,6 +97,8 @@ WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
 EARLY_WAIT_ENV = constants.ENV_EARLY_READS_WAIT
 PREFETCH_ENV = constants.ENV_IMPORT_SET_PREFETCH
 WARM_ENV = constants.ENV_IMPORT_SET_WARM
+SEED_ENV = constants.ENV_IMPORT_SET_SEED
+OFF = {"off", "0", "false", "no"}
 VERSION = 3  # 2: identities are [size, mtime_ns]; 3: what the start opened, and "list" entries
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
@@ -191,12 +205,19 @@ def deep_prefetch() -> bool:
 def set_path() -> Path | None:
     """Where this rank's import set lives; None when turned off."""
     value = os.environ.get(ENV, "").strip()
-    if value.lower() in {"off", "0", "false", "no"}:
+    if value.lower() in OFF:
         return None
     if value:
         return Path(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "weightcache" / SET_NAME
+
+
+def seed_path() -> Path | None:
+    """`WEIGHTCACHE_IMPORT_SET_SEED`: the set a node's first start reads when the node has
+    none of its own yet (module doc); None when unset."""
+    value = os.environ.get(SEED_ENV, "").strip()
+    return Path(value) if value and value.lower() not in OFF else None
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -315,8 +336,10 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
             "bytes": sum(end - start for f in files for start, end in f.get("ranges", ()))}
 
 
-def record(path: Path, exclude: list[str | os.PathLike] = ()) -> dict[str, Any] | None:
-    """Write this process' import set to `path` (atomically, 0600); None if it cannot.
+def record(path: Path, exclude: list[str | os.PathLike] = (), *, shared: bool = False
+           ) -> dict[str, Any] | None:
+    """Write this process' import set to `path` (atomically, 0600; `shared`: 0644 in a
+    directory others may enter, a seed that other users' ranks read); None if it cannot.
 
     Never naming itself: this start opened the set to read it, and a set that names the file
     it is written over is stale at once (its identity is the old file's), so every later start
@@ -324,10 +347,12 @@ def record(path: Path, exclude: list[str | os.PathLike] = ()) -> dict[str, Any] 
     found = collect([*exclude, path])
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o755 if shared else 0o700, parents=True, exist_ok=True)
         _forget_stale(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
+        if shared:
+            os.fchmod(fd, 0o644)  # exactly, whatever the umask
         with os.fdopen(fd, "w") as fh:
             json.dump(found, fh, separators=(",", ":"))
         os.replace(tmp, path)
@@ -355,20 +380,32 @@ def start_prefetch() -> tuple[Path | None, Prefetch | None]:
         if found is None:
             return None, None
         watch_opens()  # for this start's record, if it writes one
-        return found, Prefetch(load(found)).start()
+        _Opened.quiet.on = True  # the sets are not what the start reads
+        try:
+            files, seeded = load(found), False
+            if not files and (seed := seed_path()) is not None:
+                # A node's first start (or a set we could not trust): the seed, written by
+                # root where the image was built, or by this user.
+                files = load(seed, owners=(os.getuid(), 0))
+                seeded = bool(files)
+        finally:
+            _Opened.quiet.on = False
+        return found, Prefetch(files, seeded=seeded).start()
     except Exception:  # an unreadable home, a thread that cannot start: no read-ahead
         return None, None
 
 
-def load(path: Path) -> list[dict[str, Any]]:
-    """The files of the import set at `path`; [] if there is none we can trust or parse."""
+def load(path: Path, owners: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """The files of the import set at `path`; [] if there is none we can trust or parse:
+    a regular file (not a link) owned by this user (or by one of `owners`), writable by no
+    one else, at most MAX_SET_BYTES."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return []
     try:
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid not in (owners or (os.getuid(),))
                 or st.st_mode & 0o022 or st.st_size > MAX_SET_BYTES):
             return []
         with os.fdopen(os.dup(fd), "rb") as fh:
@@ -484,8 +521,10 @@ class Prefetch:
     """Read an import set into the page cache (THREADS readers, or PLAIN_THREADS when not
     `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
 
-    def __init__(self, files: list[dict[str, Any]], deep: bool | None = None) -> None:
+    def __init__(self, files: list[dict[str, Any]], deep: bool | None = None, *,
+                 seeded: bool = False) -> None:
         self.files = files
+        self.seeded = seeded  # the files are the seed's (`start_prefetch`), not this node's
         self.deep = deep_prefetch() if deep is None else deep
         self._dirs: set[str] = set()  # directories listed already (deep)
         self._looked_up = 0  # directories listed and sources looked up (deep)
@@ -755,13 +794,14 @@ class Prefetch:
             self.import_waited = round(time.monotonic() - t0, 4)
 
     def needs_record(self) -> bool:
-        """Whether this start should write the set anew: there was none, or some of it named
-        files that changed (an upgrade). A set that still matches is kept as the first start
-        wrote it: a start on a warm node would write down every page that any process had
-        cached of the same libraries (on the H200 VM a 555 MB set grew to 974 MB and 1.16 GB
-        over later starts, and the prefetch's time with it)."""
+        """Whether this start should write the set anew: there was none (a seed read instead
+        is the image's, without the node's own files: the driver's libraries, mounted at run
+        time), or some of it named files that changed (an upgrade). A set that still matches
+        is kept as the first start wrote it: a start on a warm node would write down every
+        page that any process had cached of the same libraries (on the H200 VM a 555 MB set
+        grew to 974 MB and 1.16 GB over later starts, and the prefetch's time with it)."""
         with self._lock:
-            return not self.files or self._unread > 0
+            return not self.files or self.seeded or self._unread > 0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -770,7 +810,7 @@ class Prefetch:
                     "seconds": round(self._seconds if self.done.is_set()
                                      else time.monotonic() - self._started, 4),
                     "done": self.done.is_set(), "import_waited": self.import_waited,
-                    "deep": self.deep, "looked_up": self._looked_up,
+                    "deep": self.deep, "looked_up": self._looked_up, "seeded": self.seeded,
                     "checked_only": self.checked_only, "warm": self.warm,
                     "warm_at": self._warm_at,  # time.monotonic(), as READY's `marks`
                     "census_at": self._census_at,
