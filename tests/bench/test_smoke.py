@@ -26,8 +26,9 @@ TIMEOUT_S = {"restart": 600}
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))
-def test_section_runs_at_smoke_size(section: str) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "WEIGHTCACHE_BENCH_RESTART_OUT": str(tmp_path / "restart.json")}
     proc = subprocess.run(
         [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", section],
         capture_output=True, text=True, timeout=TIMEOUT_S.get(section, 240), env=env,
@@ -41,6 +42,10 @@ def test_section_runs_at_smoke_size(section: str) -> None:
     else:
         assert not skipped, out[-4000:]
         assert "Traceback" not in out, out[-4000:]
+    if section == "restart":  # the fresh node's daemon starts as a node's first start does
+        fresh = json.loads((tmp_path / "restart.json").read_text())["fresh_node"]
+        assert fresh["summary"]["cache_overlapped_seeded"] is True, fresh["summary"]
+        assert fresh["seed"]["files"] > 0
 
 
 def _smoke_load(tmp_path, parts: str, layout: str) -> dict:

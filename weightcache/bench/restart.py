@@ -21,7 +21,8 @@ Compile (`WEIGHTCACHE_BENCH_RESTART_COMPILE`): `none`; `dirs` = plain `torch.com
 2. fresh node: the daemon and the engine started at the same moment (the engine's imports
    overlap the daemon's load, it attaches when its rank binds), against the engine alone from
    disk (`disk`, `from_pretrained`) and against today's order (READY first, then the engine),
-   page cache dropped before each.
+   page cache dropped before each; the daemon as a node's first start (no import set of its
+   own, the agent image's seed).
 On CUDA the checkpoint is the Llama-3.1-8B shape (WEIGHTCACHE_BENCH_RESTART_MODEL=8b|1b);
 on CPU a small Llama; `--smoke` the tiniest. JSON: WEIGHTCACHE_BENCH_RESTART_OUT.
 The `load` section runs the compile-free restarts too (`restart_figures`).
@@ -306,13 +307,33 @@ def restart_compile(model: Path, device: str, work: Path, *, smoke: bool) -> dic
     return out
 
 
+def _first_start_env(work: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The daemon's environment on a node new to the model: no import set of its own (a path
+    with nothing there yet), and the seed the agent image carries, recorded here in a fresh
+    process by `weightcache import-set record` as the image's build runs it. Before the seed
+    (2a62591) these runs found the set an earlier start of the same run had written."""
+    seed = work / "import-set.seed.json"
+    done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
+                           str(seed)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"import-set record: {done.stderr[-500:]}")
+    node_set = work / "node-import-set.json"
+    node_set.unlink(missing_ok=True)
+    return ({"WEIGHTCACHE_IMPORT_SET": str(node_set), "WEIGHTCACHE_IMPORT_SET_SEED": str(seed)},
+            json.loads(done.stdout))
+
+
 def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
-    """Time to first logits on a node new to the model: cache path against disk path."""
+    """Time to first logits on a node new to the model: cache path against disk path. The
+    daemon starts as on such a node: every cache dropped, no import set of its own, the agent
+    image's seed (`_first_start_env`)."""
     from weightcache.bench import gpu as g
     from weightcache.bench.load import Launcher, drop
 
     files = sorted(model.glob("*.safetensors"))
     out: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="wc-fresh-node-"))
+    env, out["seed"] = _first_start_env(work)
     # Cache path: daemon and engine start at the same moment.
     sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
     os.chmod(sockdir, 0o700)
@@ -321,7 +342,7 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model), "--device",
          device, "--weight-cache-socket-dir", str(sockdir)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, **env})
     proc, _ = start("cache_wait", model, str(sockdir), device=device, spawned=t0)
     try:
         ready = g.first_json_line(daemon, "READY ")
@@ -329,6 +350,8 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
         out["cache_overlapped"] = finish(proc, t0, "cache_wait")
         out["cache_overlapped"]["daemon_ready_s"] = round(ready_s, 3)
         out["cache_overlapped"]["daemon_ready"] = bool(ready)
+        out["cache_overlapped"]["daemon_import_prefetch"] = (
+            (ready.get("rank_loads") or [{}])[0].get("import_prefetch"))
     finally:
         g.stop_process(daemon)
         shutil.rmtree(sockdir, ignore_errors=True)
@@ -337,9 +360,10 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
     if not smoke:
         sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
         os.chmod(sockdir, 0o700)
+        Path(env["WEIGHTCACHE_IMPORT_SET"]).unlink(missing_ok=True)  # a first start again
         drop(files)
         t0 = time.time()
-        launcher = Launcher(model, sockdir, device=device)
+        launcher = Launcher(model, sockdir, env, device=device)
         try:
             r = spawn("cache", model, launcher.socket, device=device)
             r["daemon_ready_s"] = round(launcher.wall, 3)
@@ -351,6 +375,7 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
             shutil.rmtree(sockdir, ignore_errors=True)
         del t0
         log(f"  fresh-node cache_after_ready {json.dumps(out['cache_after_ready'])[:600]}")
+    shutil.rmtree(work, ignore_errors=True)
     for source in ("disk",) if smoke else ("disk", "from_pretrained"):
         drop(files)
         out[source] = spawn(source, model, None, device=device)
@@ -359,6 +384,8 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
     cache = out["cache_overlapped"].get("first_logits_seconds")
     s["cache_overlapped_first_logits_s"] = cache
     s["cache_overlapped_weights_from"] = out["cache_overlapped"].get("weights_from")
+    s["cache_overlapped_seeded"] = (out["cache_overlapped"].get("daemon_import_prefetch")
+                                    or {}).get("seeded")
     after = (out.get("cache_after_ready") or {}).get("first_logits_from_node_start_s")
     if after:
         s["cache_after_ready_first_logits_s"] = after

@@ -4,8 +4,9 @@ A rank spends seconds before it can put a byte into GPU memory: the interpreter,
 torch`, the CUDA context, the arena (3.8-5.0 s measured on the H200, against a 16 GB checkpoint
 the disk reads in 8.5-10 s). Those seconds are CPU work; the disk is idle. `EarlyReads` starts
 right after the rank holds its lock, before torch is imported, and reads the files the fill
-will read, in the fill's own jobs (the content chunk grid, `cover_spans`), straight into one
-anonymous host mapping. When the fill starts it takes those jobs from memory (`take`: a memory
+will read, in the fill's own jobs (the content chunk grid, `cover_spans`), straight into
+anonymous host mappings (one a file), each file as soon as the pool's opener has opened it.
+When the fill starts it takes those jobs from memory (`take`: a memory
 copy into its pinned buffers, hashed there like any other job) and reads the rest itself.
 The early reads go on beside the fill (`accept`), on the jobs that neither has begun: a job
 is claimed once, by whichever asks first (the fill's `take` of a job not begun claims it), and
