@@ -99,10 +99,20 @@ def test_the_load_sections_census_fillreads_readjobs_and_seed_parts_run_at_smoke
 
 def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
     """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
-    parts asked for, none of the baselines or warm steps; `startgentle`'s knob reaches the
-    rank's share of the disk, and `groupbeside`'s the rank's early reads."""
-    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle,groupbeside", "many")
+    parts asked for (and `seed`'s first starts), none of the baselines or warm steps;
+    `startgentle`'s knob reaches the rank's share of the disk, and `groupbeside`'s the rank's
+    early reads."""
+    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle,groupbeside,seed", "many")
     summary = layout["summary"]
+    # `seed` with `lean`: a first start with no set, with the image's seed, and a later one,
+    # every cache dropped, twice in turn.
+    for key, seeded, files in (("preload_cold_first_start", False, False),
+                               ("preload_cold_seeded_first_start", True, True),
+                               ("preload_cold", False, True)):
+        for name in (key, f"{key}_again"):
+            prefetch = summary[f"{name}_import_prefetch"]
+            assert summary[f"{name}_ready_s"] > 0, name
+            assert prefetch["seeded"] is seeded and (prefetch["files"] > 0) is files, name
     assert summary["device_read_s"] > 0 and len(summary["device_reads_s"]) == 2
     for key in ("preload_cold_model", "preload_cold_model_forfill",
                 "preload_cold_model_fillreads_again", "preload_cold_model_forfill_again"):
@@ -119,6 +129,6 @@ def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparis
                       ("preload_cold_model_groupbeside_again", 4)):
         assert summary[f"{key}_ready_s"] > 0, key
         assert summary[f"{key}_early"]["beside_jobs"] == jobs, key
-    for key in ("load_file_cold", "from_pretrained_cold", "loader_cold", "preload_cold",
+    for key in ("load_file_cold", "from_pretrained_cold", "loader_cold",
                 "load_file_process_cold", "load_file_warm", "preload_warm"):
         assert key not in layout, key

@@ -61,7 +61,8 @@ per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, again
 default, one job per call once the fill began, in turn likewise), seed (READY with every
 cache dropped as a node's first start again, with no import set of its own but the seed an
 agent image carries, `weightcache import-set record` run in a fresh process, named by
-`WEIGHTCACHE_IMPORT_SET_SEED`), and lean
+`WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
+no set, with the seed, and with the node's own set, twice in turn), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
 short GPU call for a comparison; before them, where the node has no import set yet, one READY
 that writes it).
@@ -657,6 +658,8 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["direct_cold"] = _safe("32x64MiB O_DIRECT cold", g.raw_read_rate, files, 32, True)
     if not lean:
         _baselines_and_cold(r, model_dir, files, parts, grid, full)
+    elif "seed" in parts and (found := _import_set()) is not None:
+        _first_starts_in_turn(r, model_dir, files, found)
     elif (found := _import_set()) is not None and not found.exists():
         # The comparison's READYs are restarts: a node's first start writes the set first.
         r["preload_cold_model_first_start"] = _safe("preload, model cold, a node's first start",
@@ -673,6 +676,21 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     if not lean:
         _warm_steps(r, kind, model_dir, files, parts)
     return _attach_restart_summary(r, kind, model_dir, files, parts)
+
+
+def _first_starts_in_turn(r: dict[str, Any], model_dir: Path, files: list[Path],
+                          found: Path) -> None:
+    """`lean` with `seed`: READY with every cache dropped, twice each in turn, as a node's
+    first start with no import set, as one with the agent image's seed, and as a later start
+    with the node's own set (the one the first start wrote)."""
+    for suffix in ("", "_again"):
+        found.unlink(missing_ok=True)
+        r[f"preload_cold_first_start{suffix}"] = _safe(
+            "preload cold, a node's first start", preload_once, model_dir, files, True)
+        r[f"preload_cold_seeded_first_start{suffix}"] = _safe(
+            "preload cold, a node's first start with the image's seed", seeded_first_start,
+            model_dir, files, found)
+        r[f"preload_cold{suffix}"] = _safe("preload cold", preload_once, model_dir, files, True)
 
 
 def _baselines_and_cold(r: dict[str, Any], model_dir: Path, files: list[Path], parts: set[str],
@@ -1041,7 +1059,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_start_marks"] = _get(r, "preload_cold", "start_marks")
         s["preload_cold_wall_to_ready_s"] = _get(r, "preload_cold", "wall_to_ready_s")
     for key in ("preload_cold_first_start", "preload_cold_seeded_first_start",
-                "preload_cold_import_wait", "preload_cold_no_early",
+                "preload_cold_first_start_again", "preload_cold_seeded_first_start_again",
+                "preload_cold_again", "preload_cold_import_wait", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
