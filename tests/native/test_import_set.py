@@ -434,6 +434,11 @@ def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, so
 
     seed = tmp_path / "image" / "import-set.seed.json"
     env = {k: v for k, v in os.environ.items() if k not in (importset.ENV, importset.SEED_ENV)}
+    (tmp_path / "a-file").write_text("")  # a path it can never write: said at once, exit 1
+    bad = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
+                          str(tmp_path / "a-file" / "seed.json")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and "cannot write" in bad.stderr and not bad.stdout
     done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
                            str(seed)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -86,6 +86,13 @@ def record_seed(path: Path) -> dict[str, object] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:  # before minutes of imports: a path it can never write is said at once
+        args.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if not os.access(args.path.parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"{args.path.parent} is not writable")
+    except OSError as exc:
+        print(f"weightcache import-set: cannot write {args.path}: {exc}", file=sys.stderr)
+        return 1
     found = record_seed(args.path)
     if found is None:
         print(f"weightcache import-set: cannot write {args.path}", file=sys.stderr)
