@@ -240,7 +240,7 @@ class EarlyReads:
         # The files are opened by one of the pool's threads, one after another, and each
         # file's jobs go to the readers as soon as it is open: on an H100 VM a rank's main
         # thread spent 36-96 ms opening 291 files before its `import torch` (a few of them,
-        # the same in each run, blocked 15-41 ms each in `openat`; run54, run56), and a
+        # the same in each run, blocked 11-41 ms each in `openat`; runs 54-59), and a
         # helper that opened them all before the first read delayed that read by as much.
         self._cutting = True  # files may still be opened and cut (not after `accept`)
         self._opened = threading.Event()  # the opener is done (or will never run)
