@@ -475,7 +475,9 @@ def seeded_first_start(model: Path, files: list[Path], found: Path) -> dict:
     """READY with every cache dropped on a node with no import set of its own but the seed an
     agent image carries (`weightcache import-set record`, recorded here in a fresh process as
     the image's build does it). The node's set (`found`) is put back afterwards, so the steps
-    after this one start as they would have."""
+    after this one start as they would have. This process has torch loaded: the pages it maps
+    cannot be dropped, so the seed names more than an image's build would record
+    (docs/results/cpu-2026-12-06-seed), and the seeded start reads more than a real one."""
     seed = found.with_name("import-set.seed.json")
     recorded = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
                                str(seed)], capture_output=True, text=True, timeout=300)

@@ -310,8 +310,10 @@ def restart_compile(model: Path, device: str, work: Path, *, smoke: bool) -> dic
 def _first_start_env(work: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """The daemon's environment on a node new to the model: no import set of its own (a path
     with nothing there yet), and the seed the agent image carries, recorded here in a fresh
-    process by `weightcache import-set record` as the image's build runs it. Before the seed
-    (2a62591) these runs found the set an earlier start of the same run had written."""
+    process by `weightcache import-set record` as the image's build runs it (beside this
+    process's torch, whose mapped pages it cannot drop: it names more than an image's build
+    would). Before the seed (2a62591) these runs found the set an earlier start of the same
+    run had written."""
     seed = work / "import-set.seed.json"
     done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
                            str(seed)], capture_output=True, text=True, timeout=300)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,39 +22,23 @@ FILES = int(os.environ.get("FILES", "1000"))  # capped at one tensor a file, as 
 
 
 def evict() -> None:
-    for f in MODEL.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    from weightcache.native.shared.coldload import drop_page_cache
+
+    drop_page_cache(sorted(MODEL.glob("*.safetensors")), everything=False)
 
 
 def preload(env: dict[str, str]) -> dict[str, Any]:
+    from weightcache.bench.load import Launcher
+
     sock = WORK / f"sock-{time.time_ns()}"
     sock.mkdir()
-    spawned = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(MODEL),
-         "--device", "cpu", "--weight-cache-socket-dir", str(sock)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=WORK,
-        env={**os.environ, **env})
-    ready: dict[str, Any] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            wall = time.monotonic() - spawned
-            ready = json.loads(line[6:])
-            break
-    else:
-        raise RuntimeError(f"preload exited {proc.wait()} before READY")
-    proc.terminate()
-    proc.wait(30)
-    rank = ready["rank_loads"][0]
-    marks = rank.get("marks") or {}
-    first = (rank.get("early") or {}).get("first_read_at")
-    return {"wall": round(wall, 3), "ready": ready.get("seconds"),
-            "locked": round(marks["locked"] - spawned, 4) if "locked" in marks else None,
-            "first_read": round(first - spawned, 4) if first else None,
-            "imported": round(marks["imported"] - spawned, 4) if "imported" in marks else None}
+    launcher = Launcher(MODEL, sock, env, device="cpu")
+    launcher.stop()
+    marks = launcher.summary()["start_marks"]  # seconds from the spawn
+    return {"wall": round(launcher.wall, 3), "ready": launcher.ready.get("seconds"),
+            **{k: marks.get(m) for k, m in (("locked", "locked"),
+                                            ("first_read", "early_first_read"),
+                                            ("imported", "imported"))}}
 
 
 def main() -> None:
@@ -74,6 +56,7 @@ def main() -> None:
                  "WEIGHTCACHE_IMPORT_SET": str(WORK / "set-base.json")},
         "new": {"WEIGHTCACHE_IMPORT_SET": str(WORK / "set-new.json")},
     }
+    os.chdir(WORK)  # `python -m` puts the working directory first: never the repository root
     for env in variants.values():  # each writes its import set; not counted
         evict()
         preload(env)

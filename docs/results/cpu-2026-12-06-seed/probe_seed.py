@@ -24,42 +24,31 @@ ROUNDS = int(os.environ.get("ROUNDS", "3"))
 
 
 def drop() -> None:
-    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=True)
+    from weightcache.native.shared.coldload import drop_page_cache
+
+    assert drop_page_cache(sorted(MODEL.glob("*.safetensors")), everything=True), "needs root"
 
 
 def preload(set_file: Path, env: dict[str, str]) -> dict[str, Any]:
+    from weightcache.bench.load import Launcher
+
     sock = WORK / f"sock-{time.time_ns()}"
     sock.mkdir()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(MODEL),
-         "--device", "cpu", "--weight-cache-socket-dir", str(sock)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "WEIGHTCACHE_IMPORT_SET": str(set_file), **env})
-    ready: dict[str, Any] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            wall = time.perf_counter() - t0
-            ready = json.loads(line[6:])
-            break
-    else:
-        raise RuntimeError(f"preload exited {proc.wait()} before READY")
+    launcher = Launcher(MODEL, sock, {"WEIGHTCACHE_IMPORT_SET": str(set_file), **env},
+                        device="cpu")
     deadline = time.monotonic() + 20  # the rank writes its set right after READY
     while not set_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.terminate()
-    proc.wait(30)
-    rank = ready["rank_loads"][0]
+    launcher.stop()
+    rank = launcher.ready["rank_loads"][0]
     prefetch = rank.get("import_prefetch") or {}
-    return {"wall": round(wall, 3), "ready": ready.get("seconds"),
+    return {"wall": round(launcher.wall, 3), "ready": launcher.ready.get("seconds"),
             "phases": rank.get("phases"),
             "prefetch": {k: prefetch.get(k) for k in ("files", "bytes", "resident_bytes",
                                                        "seconds", "seeded", "warm")}}
 
 
 def main() -> None:
-    sys.path.insert(0, os.getcwd())
     from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 
     WORK.mkdir(parents=True, exist_ok=True)
@@ -69,6 +58,7 @@ def main() -> None:
     done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
                            str(SEED)], capture_output=True, text=True, check=True)
     print("seed", done.stdout.strip(), flush=True)
+    os.chdir(WORK)  # `python -m` puts the working directory first: never the repository root
     own = WORK / "own-set.json"
     own.unlink(missing_ok=True)
     drop()
