@@ -471,25 +471,32 @@ def preload_once(model: Path, files: list[Path], cold: bool | str, env: dict | N
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
-def seeded_first_start(model: Path, files: list[Path], found: Path) -> dict:
-    """READY with every cache dropped on a node with no import set of its own but the seed an
-    agent image carries (`weightcache import-set record`, recorded here in a fresh process as
-    the image's build does it). The node's set (`found`) is put back afterwards, so the steps
-    after this one start as they would have. This process has torch loaded: the pages it maps
-    cannot be dropped, so the seed names more than an image's build would record
-    (docs/results/cpu-2026-12-06-seed), and the seeded start reads more than a real one."""
-    seed = found.with_name("import-set.seed.json")
+def record_seed(seed: Path) -> dict[str, Any]:
+    """The seed an agent image carries, written to `seed` by `weightcache import-set record` in
+    a fresh process, as the image's build runs it; its summary line. This process has torch
+    loaded: the pages it maps cannot be dropped, so the seed names more than an image's build
+    would record (docs/results/cpu-2026-12-06-seed), and a seeded start reads more than a real
+    one."""
     recorded = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
                                str(seed)], capture_output=True, text=True, timeout=300)
     if recorded.returncode != 0:
         raise RuntimeError(f"import-set record: {recorded.stderr[-500:]}")
+    return json.loads(recorded.stdout)
+
+
+def seeded_first_start(model: Path, files: list[Path], found: Path) -> dict:
+    """READY with every cache dropped on a node with no import set of its own but the agent
+    image's seed (`record_seed`). The node's set (`found`) is put back afterwards, so the
+    steps after this one start as they would have."""
+    seed = found.with_name("import-set.seed.json")
+    recorded = record_seed(seed)
     kept = found.with_name(f"{found.name}.kept")
     had = found.exists()
     if had:
         os.replace(found, kept)
     try:
         out = preload_once(model, files, True, {"WEIGHTCACHE_IMPORT_SET_SEED": str(seed)})
-        out["seed"] = json.loads(recorded.stdout)
+        out["seed"] = recorded
         return out
     finally:
         if had:

@@ -308,21 +308,16 @@ def restart_compile(model: Path, device: str, work: Path, *, smoke: bool) -> dic
 
 
 def _first_start_env(work: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """The daemon's environment on a node new to the model: no import set of its own (a path
-    with nothing there yet), and the seed the agent image carries, recorded here in a fresh
-    process by `weightcache import-set record` as the image's build runs it (beside this
-    process's torch, whose mapped pages it cannot drop: it names more than an image's build
-    would). Before the seed (2a62591) these runs found the set an earlier start of the same
-    run had written."""
+    """The daemon's environment on a node new to the model (`work`, a new directory): no
+    import set of its own (a path with nothing there yet), and the agent image's seed
+    (`load.record_seed`). Before the seed (2a62591) these runs found the set an earlier start
+    of the same run had written."""
+    from weightcache.bench.load import record_seed
+
     seed = work / "import-set.seed.json"
-    done = subprocess.run([sys.executable, "-m", "weightcache.cli", "import-set", "record",
-                           str(seed)], capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"import-set record: {done.stderr[-500:]}")
-    node_set = work / "node-import-set.json"
-    node_set.unlink(missing_ok=True)
-    return ({"WEIGHTCACHE_IMPORT_SET": str(node_set), "WEIGHTCACHE_IMPORT_SET_SEED": str(seed)},
-            json.loads(done.stdout))
+    recorded = record_seed(seed)
+    return ({"WEIGHTCACHE_IMPORT_SET": str(work / "node-import-set.json"),
+             "WEIGHTCACHE_IMPORT_SET_SEED": str(seed)}, recorded)
 
 
 def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
