@@ -234,7 +234,7 @@ class EarlyReads:
         self.first_read_at: float | None = None
         self.first_landed_at: float | None = None
         self._unopened = deque(sorted(Path(p) for p in files))
-        self._budget_left = budget
+        self._budget = budget  # asked for
         self.budget = 0  # the bytes of the jobs cut so far
         self._maps: list[mmap.mmap] = []  # one per file, for its jobs
         # The files are opened by one of the pool's threads, one after another, and each
@@ -255,7 +255,7 @@ class EarlyReads:
             while True:
                 with self._lock:
                     if (not self._unopened or not self._cutting or self._stop.is_set()
-                            or self._budget_left < 2 * PAGE):
+                            or self._budget - self.budget < 2 * PAGE):
                         return
                     path = self._unopened.popleft()
                 try:
@@ -276,10 +276,10 @@ class EarlyReads:
         """`path`'s jobs within what is left of the budget, in a mapping of its own, handed
         to the readers at once (or the file closed, if the fill began meanwhile)."""
         spans: list[tuple[int, int, int]] = []
-        room = 0
+        room, left = 0, self._budget - self.budget  # only the opener cuts
         for start, end in cover_spans(ident.size, self.span):
             size = (end - start) + (-(end - start)) % PAGE + PAGE
-            if room + size > self._budget_left:
+            if room + size > left:
                 break
             spans.append((start, end, room))
             room += size
@@ -301,7 +301,6 @@ class EarlyReads:
                 job = _Job(path, start, end, at, buf)
                 self._jobs[(path, start, end)] = job
                 self._order.append(job)
-            self._budget_left -= room
             self.budget += room
             self._lock.notify_all()
 
