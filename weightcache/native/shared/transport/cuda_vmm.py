@@ -38,8 +38,9 @@ PIECES_ENV = "WEIGHTCACHE_VMM_PIECES"
 # Four: the copy ran beside the map in every A/B where it counted (run51 on the H200: into a
 # kept block 1.437-1.522 TB/s against 1.365-1.393 with one allocation, the driver's own map +
 # copy + unmap 8.45 ms against 9.53; run52 on an H100: into fresh memory 1.099-1.113 against
-# 1.075-1.077), a zero_copy attach no slower (3.2 ms median either way, run52), and 8 or 16
-# pieces no faster than 4 (run51's probe: 8.47 / 8.81 ms).
+# 1.075-1.077), and 8 or 16 pieces no faster than 4 (run51's probe: 8.47 / 8.81 ms). A
+# zero_copy attach maps four handles: 3.2 ms median either way on run52's H100, 0.35 ms more
+# on run56's (4.6-5.1 against 4.1-4.3 ms), under the 10 ms target.
 DEFAULT_PIECES = 4
 
 
