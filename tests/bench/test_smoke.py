@@ -46,6 +46,13 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
         fresh = json.loads((tmp_path / "restart.json").read_text())["fresh_node"]
         assert fresh["summary"]["cache_overlapped_seeded"] is True, fresh["summary"]
         assert fresh["seed"]["files"] > 0
+        # Which start bounded the cache path: the daemon's READY and the engine's imports.
+        summary = fresh["summary"]
+        assert summary["cache_overlapped_daemon_ready_s"] > 0, summary
+        assert summary["cache_overlapped_engine_imports_s"] > 0, summary
+        assert summary["engine_imports_beside_load_vs_alone"] == pytest.approx(
+            summary["cache_overlapped_engine_imports_s"] / summary["disk_engine_imports_s"],
+            abs=1e-3), summary
 
 
 def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
