@@ -1,0 +1,1 @@
+R=/tmp/wcres; OUT=$R/manylean LOAD_LAYOUTS=many LOAD_PARTS=lean,seed BENCH_TIMEOUT=270 bash tests/gpu/run_device.sh load >/dev/null 2>&1; tar czf $OUT/all.tgz -C $R manylean; grep -E "first start|summary" $R/manylean/bench_load.log | cut -c1-260
