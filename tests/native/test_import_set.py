@@ -447,6 +447,11 @@ def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, so
     assert seed.stat().st_mode & 0o777 == 0o644 and seed.parent.stat().st_mode & 0o777 == 0o755
     files = importset.load(seed)
     assert len(files) == said["files"]
+    # Its files' mtimes to the second, as an image layer keeps them on every node.
+    written = json.loads(seed.read_text())
+    assert written["mtime_resolution_ns"] == importset.IMAGE_MTIME_NS
+    assert all(f["identity"][1] % importset.IMAGE_MTIME_NS == 0
+               for f in written["files"] if "identity" in f)
     assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
     assert any("/weightcache/native/shared/" in f["path"]  # the fill's module (or its bytecode)
                and "coldload" in f["path"] for f in files)
@@ -467,6 +472,7 @@ def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, so
     p.stop()
     mine = importset.load(own)
     assert mine and not any(f["path"] == str(seed) for f in mine)  # the seed is not the start's
+    assert "mtime_resolution_ns" not in json.loads(own.read_text())  # the node's: nanoseconds
     p = preload(*args, env=env)
     again = p.wait_ready(120)["rank_loads"][0]["import_prefetch"]
     assert again["seeded"] is False and again["files"] > 0
@@ -475,6 +481,68 @@ def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, so
     p = preload(*args, env={**env, importset.ENV: "off"})
     assert p.wait_ready(120)["rank_loads"][0]["import_prefetch"] is None
     p.stop()
+
+
+_RECORD = """
+import sys
+from pathlib import Path
+from weightcache.native.shared import importset
+importset.watch_opens()
+for name in sys.argv[3:]:
+    with open(name, "rb") as fh:
+        fh.read()
+if sys.argv[2] == "seed":  # as the image's build writes it
+    importset.record(Path(sys.argv[1]), shared=True, whole_seconds=True)
+else:  # as a node's start writes its own
+    importset.record(Path(sys.argv[1]))
+"""
+
+
+def test_a_seed_holds_for_an_image_layers_copies_of_its_files(tmp_path):
+    """The seed is recorded where the image is built, and read on nodes whose copies of those
+    files came out of the image's layer tars. A layer keeps a file's mtime to the whole second
+    (containerd `archive/tar.go` and moby `pkg/archive`: `hdr.ModTime.Truncate(time.Second)`),
+    so the build's 12:00:00.734 is a node's 12:00:00.000. A seed's entries still hold there,
+    and a node's own set (recorded on the node) still tells any change to the nanosecond."""
+    import subprocess
+    import sys
+
+    (tmp_path / "lib").mkdir()
+    files = [_file(tmp_path / "lib" / name, pages) for name, pages in
+             (("libtorch_fake.so", 8), ("module.cpython-312.pyc", 2))]
+    for i, f in enumerate(files):  # written mid-second, as a build's files are
+        t = 1_780_000_000 * importset.IMAGE_MTIME_NS + 734_512_001 + i
+        os.utime(f, ns=(t, t))
+    seed, own = tmp_path / "image" / "seed.json", tmp_path / "node" / "own.json"
+    for path, kind in ((seed, "seed"), (own, "own")):
+        done = subprocess.run([sys.executable, "-c", _RECORD, str(path), kind,
+                               *map(str, files)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+
+    def read(path: Path) -> dict:
+        entries = [f for f in importset.load(path) if f["path"] in map(str, files)]
+        assert len(entries) == len(files), entries
+        drop_page_cache(files, everything=False)
+        pf = importset.Prefetch(entries).start()
+        assert pf.done.wait(30)
+        return pf.stats()
+
+    def layer_copy() -> None:  # what extracting the layer leaves: the mtime cut to the second
+        for f in files:
+            m = f.stat().st_mtime_ns
+            os.utime(f, ns=(m - m % importset.IMAGE_MTIME_NS,) * 2)
+
+    assert read(seed)["unread"] == 0  # at the build, before any layer
+    layer_copy()
+    on_node = read(seed)
+    assert on_node["unread"] == 0 and on_node["bytes"] == 10 * PAGE, on_node
+    assert all(_resident(f) for f in files)  # read ahead, whole
+    assert read(own)["unread"] == len(files)  # a node's set: the cut mtime is a change
+    later = files[0].stat().st_mtime_ns + importset.IMAGE_MTIME_NS
+    os.utime(files[0], ns=(later, later))  # another second: another file
+    with open(files[1], "ab") as fh:  # another size: another file
+        fh.write(b"x")
+    assert read(seed)["unread"] == 2
 
 
 def test_the_seed_recorder_drops_the_installed_files_from_the_page_cache_first():

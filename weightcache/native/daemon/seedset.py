@@ -81,7 +81,7 @@ def record_seed(path: Path) -> dict[str, object] | None:
     # What a rank imports once it holds its lock (rank.run): torch, numpy and the fill.
     from . import loading, rank, server  # noqa: F401
 
-    return importset.record(path, shared=True)
+    return importset.record(path, shared=True, whole_seconds=True)
 
 
 def main(argv: list[str] | None = None) -> int:

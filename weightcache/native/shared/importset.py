@@ -56,7 +56,15 @@ slower than `from_pretrained` in a warm process (10.6 s), and a node new to a mo
 engine waits for the cache (a scale-up). So the agent image carries a *seed*: the set of a start
 recorded where the libraries were installed (`weightcache import-set record PATH`, run by
 Dockerfile.agent, `WEIGHTCACHE_IMPORT_SET_SEED` naming it). The files of an image are the same
-files (size and mtime) on every node that runs it, so the seed's entries hold there. It is read
+files on every node that runs it, with one difference from the build that recorded the seed:
+an image's layers are tar archives whose entries keep a file's mtime to the whole second
+(containerd's `archive/tar.go` and moby's `pkg/archive` both write
+`hdr.ModTime = hdr.ModTime.Truncate(time.Second)`), so a node's copy of a file the build
+wrote at 12:00:00.734 says 12:00:00.000. A seed therefore names each file by its size and its
+mtime cut to the second (`"mtime_resolution_ns": 1000000000`, IMAGE_MTIME_NS), and its entries
+are compared that way; a node's own set keeps the nanoseconds. Read with nanoseconds, every
+entry of a seed for files that the build itself installed would have been skipped as changed
+on every node. It is read
 only where the node's own set is missing or untrusted; it may be owned by root (the image's
 build), never writable by others; the start then writes the node's own set all the same
 (`needs_record`), which adds what only a node has (the driver's libraries, mounted at run time)
@@ -100,6 +108,9 @@ WARM_ENV = constants.ENV_IMPORT_SET_WARM
 SEED_ENV = constants.ENV_IMPORT_SET_SEED
 OFF = {"off", "0", "false", "no"}
 VERSION = 3  # 2: identities are [size, mtime_ns]; 3: what the start opened, and "list" entries
+# A seed's mtimes, cut to the second as an image layer keeps them (module doc); a set without
+# "mtime_resolution_ns" (a node's own) compares them to the nanosecond.
+IMAGE_MTIME_NS = 1_000_000_000
 MAX_SET_BYTES = 32 << 20  # the file itself
 MAX_FILES = 20_000
 MAX_BYTES = 4 << 30  # what one prefetch may read
@@ -220,9 +231,11 @@ def seed_path() -> Path | None:
     return Path(value) if value and value.lower() not in OFF else None
 
 
-def _identity(st: os.stat_result) -> list[int]:
-    """What must still hold for an entry to be read: the same size, the same mtime."""
-    return [st.st_size, st.st_mtime_ns]
+def _identity(st: os.stat_result, whole_seconds: bool = False) -> list[int]:
+    """What must still hold for an entry to be read: the same size, the same mtime (to the
+    second for a seed's entry: module doc)."""
+    mtime = st.st_mtime_ns
+    return [st.st_size, mtime - mtime % IMAGE_MTIME_NS if whole_seconds else mtime]
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[list[int]]:
@@ -284,12 +297,14 @@ def _module_files() -> set[str]:
     return files
 
 
-def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
+def collect(exclude: list[str | os.PathLike] = (), *, whole_seconds: bool = False
+            ) -> dict[str, Any]:
     """This process' import set (see the module's docstring); `exclude`: files never listed
     (the checkpoint's: the fill reads those itself), nor anything the start opened or listed
     in their directories (the model's config and index, the socket directory): those are
     this model's, not the start's, and a set naming a file that is gone at the next start is
-    stale, so it would be written anew, from a page cache that may hold far more."""
+    stale, so it would be written anew, from a page cache that may hold far more.
+    `whole_seconds`: a seed's identities (module doc)."""
     skip = {os.path.realpath(p) for p in exclude}
     skip_dirs = {os.path.dirname(p) for p in skip}
     entries: dict[str, dict[str, Any]] = {}
@@ -302,7 +317,8 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
-        entries[path] = {"identity": _identity(st), "ranges": _coalesce(ranges)}
+        entries[path] = {"identity": _identity(st, whole_seconds),
+                         "ranges": _coalesce(ranges)}
     for path in sorted(_module_files()):
         if path in entries or os.path.realpath(path) in skip:
             continue
@@ -311,7 +327,8 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_size:
-            entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
+            entries[path] = {"identity": _identity(st, whole_seconds),
+                             "ranges": [[0, st.st_size]]}
     opened, listed = _opened()
     for path in sorted(opened):
         real = os.path.realpath(path)
@@ -326,25 +343,30 @@ def collect(exclude: list[str | os.PathLike] = ()) -> dict[str, Any]:
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and 0 < st.st_size <= OPENED_MAX_BYTES:
-            entries[path] = {"identity": _identity(st), "ranges": [[0, st.st_size]]}
+            entries[path] = {"identity": _identity(st, whole_seconds),
+                             "ranges": [[0, st.st_size]]}
     for path in sorted(listed):
         if (path not in entries and not path.startswith(SKIP_PREFIXES)
                 and os.path.realpath(path) not in skip_dirs and os.path.isdir(path)):
             entries[path] = {"list": True}
     files = [{"path": p, **e} for p, e in sorted(entries.items())][:MAX_FILES]
-    return {"version": VERSION, "files": files,
-            "bytes": sum(end - start for f in files for start, end in f.get("ranges", ()))}
+    found: dict[str, Any] = {"version": VERSION, "files": files}
+    if whole_seconds:
+        found["mtime_resolution_ns"] = IMAGE_MTIME_NS
+    found["bytes"] = sum(end - start for f in files for start, end in f.get("ranges", ()))
+    return found
 
 
-def record(path: Path, exclude: list[str | os.PathLike] = (), *, shared: bool = False
-           ) -> dict[str, Any] | None:
+def record(path: Path, exclude: list[str | os.PathLike] = (), *, shared: bool = False,
+           whole_seconds: bool = False) -> dict[str, Any] | None:
     """Write this process' import set to `path` (atomically, 0600; `shared`: 0644 in a
-    directory others may enter, a seed that other users' ranks read); None if it cannot.
+    directory others may enter, a seed that other users' ranks read; `whole_seconds`: mtimes
+    to the second, as a seed for an image's files needs them); None if it cannot.
 
     Never naming itself: this start opened the set to read it, and a set that names the file
     it is written over is stale at once (its identity is the old file's), so every later start
     would write it anew, from whatever the page cache held then."""
-    found = collect([*exclude, path])
+    found = collect([*exclude, path], whole_seconds=whole_seconds)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(mode=0o755 if shared else 0o700, parents=True, exist_ok=True)
@@ -416,9 +438,10 @@ def load(path: Path, owners: tuple[int, ...] | None = None) -> list[dict[str, An
         os.close(fd)
     if not isinstance(data, dict) or data.get("version") != VERSION:
         return []
-    files = data.get("files")
-    if not isinstance(files, list):
+    files, resolution = data.get("files"), data.get("mtime_resolution_ns", 1)
+    if not isinstance(files, list) or resolution not in (1, IMAGE_MTIME_NS):
         return []
+    whole_seconds = resolution == IMAGE_MTIME_NS
     good = []
     for f in files[:MAX_FILES]:
         if not isinstance(f, dict) or not isinstance(f.get("path"), str):
@@ -433,7 +456,10 @@ def load(path: Path, owners: tuple[int, ...] | None = None) -> list[dict[str, An
         spans = [(r[0], r[1]) for r in ranges if isinstance(r, list) and len(r) == 2
                  and all(isinstance(v, int) for v in r) and 0 <= r[0] < r[1]]
         if spans:
-            good.append({"path": f["path"], "identity": ident, "ranges": spans})
+            entry = {"path": f["path"], "identity": ident, "ranges": spans}
+            if whole_seconds:
+                entry["whole_seconds"] = True
+            good.append(entry)
     return good
 
 
@@ -446,14 +472,16 @@ def _ahead(fd: int, start: int, end: int) -> None:
 
 def _open_recorded(f: dict[str, Any]) -> tuple[int, list[tuple[int, int]]] | None:
     """A descriptor of the set's file `f` and its recorded ranges within its size, if it is
-    still the regular file recorded (size and mtime); None if not. The caller closes it."""
+    still the regular file recorded (size and mtime, to the second for a seed's entry); None
+    if not. The caller closes it."""
     try:
         fd = os.open(f["path"], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and _identity(st) == f["identity"]:
+        if (stat.S_ISREG(st.st_mode)
+                and _identity(st, f.get("whole_seconds", False)) == f["identity"]):
             return fd, [(start, min(end, st.st_size)) for start, end in f["ranges"]
                         if start < min(end, st.st_size)]
     except OSError:
