@@ -3,6 +3,7 @@ the operator rely on (targets, non-root users, entrypoints, no build tools at ru
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -222,3 +223,62 @@ def test_wheel_stage_builds_from_the_docker_context(tmp_path):
     assert not any(n.startswith(("operator/", "agent/", "tests/")) for n in names)
     # development tooling stays out of the images
     assert not any(n.startswith(("weightcache/bench/", "weightcache/testing/")) for n in names)
+
+
+_PROBE = """
+import sys
+compiled = []
+sys.addaudithook(lambda event, args: compiled.append(args[1]) if event == "compile" else None)
+sys.path.insert(0, sys.argv[1])
+import wc_probe_module
+print(wc_probe_module.VALUE, sum(str(name).endswith("wc_probe_module.py") for name in compiled))
+"""
+
+
+def test_the_native_image_keeps_bytecode_its_starts_can_use(tmp_path):
+    """The python images delete the standard library's bytecode and the image runs with
+    PYTHONDONTWRITEBYTECODE: without bytecode compiled at build time, every rank's start
+    compiles torch and the standard library from source. The image's own command compiles
+    them, before the seed is recorded (the seed names the bytecode files), in a mode that
+    still holds once the layers have cut the files' mtimes to the second (containerd
+    `archive/tar.go`: `hdr.ModTime.Truncate(time.Second)`) or a build has clamped them.
+    Run here on a module of ours: the import reads the bytecode and compiles nothing."""
+    _, stages = parse(DOCKERFILES["agent"])
+    for stage in stages:
+        for run in stage.all("RUN"):
+            assert not re.search(r"\.pyc\b.*-delete|__pycache__.*rm ", run), run
+    native = next(s for s in stages if s.name == "native")
+    runs = native.all("RUN")
+    (compile_run,) = [r for r in runs if "compileall" in r]
+    (seed_run,) = [r for r in runs if "import-set record" in r]
+    assert runs.index(compile_run) < runs.index(seed_run)
+    assert "/opt/venv/lib" in compile_run and 'get_path("stdlib")' in compile_run
+    assert "PYTHONDONTWRITEBYTECODE=1" in " ".join(native.all("ENV"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    source = lib / "wc_probe_module.py"
+    source.write_text("VALUE = 41 + 1\n")
+    stdlib = re.search(r"\"\$\(python3 -c '[^']*'\)\"", compile_run)
+    assert stdlib, compile_run
+    command = compile_run.replace(stdlib.group(0), "").replace("/opt/venv/lib", str(lib))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    # What a node has: the layer's mtimes cut to the second, and a later second at that.
+    later = (source.stat().st_mtime_ns // 10**9 + 7) * 10**9
+    os.utime(source, ns=(later, later))
+    run = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True,
+                         text=True, timeout=60, env={**env, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["42", "0"], run.stdout  # read from bytecode, nothing compiled
+    # The default (timestamp) bytecode would not have held: the import compiles the source.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-f", str(lib)], check=True,
+                   timeout=60)
+    os.utime(source, ns=(later + 10**9, later + 10**9))
+    run = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True,
+                         text=True, timeout=60, env={**env, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert run.stdout.split() == ["42", "1"], run.stdout
