@@ -314,7 +314,7 @@ def test_a_changed_file_is_skipped_and_module_files_are_whole(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["garbage", "old version", "group writable", "symlink",
-                                 "bad entries"])
+                                 "bad entries", "unknown mtime resolution"])
 def test_a_set_we_cannot_trust_or_parse_is_ignored(tmp_path, how):
     path = tmp_path / "set.json"
     good = {"version": importset.VERSION, "files": [
@@ -329,6 +329,8 @@ def test_a_set_we_cannot_trust_or_parse_is_ignored(tmp_path, how):
     elif how == "symlink":
         (tmp_path / "real.json").write_text(json.dumps(good))
         path.symlink_to(tmp_path / "real.json")
+    elif how == "unknown mtime resolution":  # only nanoseconds, or a seed's whole seconds
+        path.write_text(json.dumps({**good, "mtime_resolution_ns": 1000}))
     else:
         path.write_text(json.dumps({"version": importset.VERSION, "files": [
             {"path": 5}, {"path": "/x", "identity": [1, "2"], "ranges": [[0, 1]]},
