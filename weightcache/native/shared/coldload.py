@@ -72,7 +72,11 @@ DEFAULT_THREADS = 32
 # The read size (loadenv.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
-# cache still holds it (a multiple of the content chunk: 4 MiB).
+# cache still holds it. Four content chunks: 1 MiB when it was written (chunks were 256 KiB),
+# 4 MiB since chunks are 1 MiB. One chunk (within one core's L2) hashed 5-15% faster on the
+# 2-core development machine, but the warm fill moved within its noise (eight runs in turn,
+# medians -6% to +7%: docs/results/cpu-2026-12-06-hotstep), so it stays until a GPU VM's 16
+# readers show the difference.
 HOT_STEP = 4 * CHUNK_BYTES
 # The CPU's work (page-cache copies, early-read copies, hashing) runs in at most this many
 # readers at once: the disk wants 32 reads in flight, the CPU no more workers than cores (on
