@@ -70,14 +70,23 @@ def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
     return json.loads(out.read_text())["layouts"][layout]
 
 
-def test_the_load_sections_census_fillreads_readjobs_and_seed_parts_run_at_smoke_size(
+def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_at_smoke_size(
         tmp_path):
     """`census` (READY after an engine's cold start, with and without the import set's warm
     verdict), `fillreads` (the fill reading what it reaches first itself, or the early
-    readers for it), `readjobs` (one job or several per early read call) and `seed` (a node's
-    first start reading an image's seed) are a GPU run's A/Bs: their code runs here, and each
-    knob reaches the rank."""
-    summary = _smoke_load(tmp_path, "census,fillreads,readjobs,seed", "sharded")["summary"]
+    readers for it), `readjobs` (one job or several per early read call), `seed` (a node's
+    first start reading an image's seed) and `hotstep` (the warm fill's hash piece) are a GPU
+    run's A/Bs: their code runs here, and each knob reaches the rank."""
+    layout = _smoke_load(tmp_path, "census,fillreads,readjobs,seed,hotstep", "sharded")
+    summary = layout["summary"]
+    # `hotstep`: the warm READY with 16 MiB hash pieces and with 4, twice, each with its rate,
+    # and the rank's fill said which piece it hashed in.
+    for mib in (16, 4):
+        for suffix in ("", "_again"):
+            key = f"preload_warm_hot_step{mib}{suffix}"
+            assert summary[f"{key}_rank_gb_per_s"] > 0, key
+            loader = layout[key]["ready"]["rank_loads"][0]["loader"]
+            assert loader["hot_step_mib"] == mib, loader
     # `seed`: a node's first start again, reading the seed an agent image carries.
     seeded = summary["preload_cold_seeded_first_start_import_prefetch"]
     assert summary["preload_cold_seeded_first_start_ready_s"] > 0

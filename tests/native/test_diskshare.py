@@ -191,6 +191,7 @@ BAD_KNOBS = {
     loadenv.DIRECT_ENV: "sometimes",
     loadenv.IO_PRIORITY_ENV: "high",
     loadenv.YIELD_ENV: "sometimes",
+    loadenv.HOT_STEP_ENV: "1024",
 }
 
 

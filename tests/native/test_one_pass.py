@@ -74,6 +74,31 @@ def test_small_reads_still_digest_on_the_chunk_grid(model):
     assert stats.record == content.digest_files(ckpt.files)
 
 
+@pytest.mark.parametrize("mib", ["1", "3", "16"])
+def test_any_hash_piece_gives_the_same_arena_and_record(tmp_path, monkeypatch, mib):
+    """`WEIGHTCACHE_LOAD_HOT_STEP_MIB` changes only how a page-cache read is cut for its hash
+    (a piece of one chunk, of three, of a whole read): the arena and the content record are
+    the same, for a file that ends mid-piece too."""
+    from safetensors.torch import save_file
+
+    from weightcache.native.shared.coldload import load_entries
+
+    g = torch.Generator().manual_seed(1)
+    save_file({"a": torch.randint(0, 255, (37, 1 << 20), dtype=torch.uint8, generator=g),
+               "b": torch.randint(0, 255, (3, 12345), dtype=torch.uint8, generator=g)},
+              str(tmp_path / "model.safetensors"))
+    ckpt, lay = _layout(tmp_path)
+    want = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    load_into_arena(lay, want)
+    monkeypatch.setenv("WEIGHTCACHE_LOAD_HOT_STEP_MIB", mib)
+    flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    stats = load_entries(list(lay.entries), flat, threads=2, direct=False,
+                         digest=list(ckpt.files))
+    assert torch.equal(flat, want)
+    assert stats.record == content.digest_files(ckpt.files)
+    assert stats.hash_seconds > 0  # hashed by the readers, from their own reads
+
+
 def test_a_claim_of_another_hash_or_an_old_client_is_refused(model):
     ckpt, _ = _layout(model)
     record = content.digest_files(ckpt.files)

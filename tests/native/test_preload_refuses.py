@@ -90,7 +90,7 @@ def test_exit_2_for_a_missing_model(sock_dir, tmp_path):
 @pytest.mark.parametrize("name,value", [
     ("WEIGHTCACHE_LOAD_YIELD", "sometimes"), ("WEIGHTCACHE_LOAD_THREADS", "0"),
     ("WEIGHTCACHE_LOAD_CHUNK_MIB", "big"), ("WEIGHTCACHE_LOAD_DIRECT", "maybe"),
-    ("WEIGHTCACHE_LOAD_IO_PRIORITY", "high"),
+    ("WEIGHTCACHE_LOAD_IO_PRIORITY", "high"), ("WEIGHTCACHE_LOAD_HOT_STEP_MIB", "0"),
 ])
 def test_exit_2_for_a_bad_load_knob(ckpt, sock_dir, name, value):
     """The load's knobs are checked by every rank before it loads (any other load, an

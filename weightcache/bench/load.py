@@ -41,7 +41,9 @@ set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`, then the 
 with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
-against the warm default of one per core), plainprefetch (READY with every cache dropped
+against the warm default of one per core), hotstep (the warm preload with the fill's hash
+pieces of 16 MiB and of 4 MiB, the default, in turn, twice: `WEIGHTCACHE_LOAD_HOT_STEP_MIB`),
+plainprefetch (READY with every cache dropped
 again, the rank's import set read ahead the earlier way: 8 readers, one read at a time, no
 lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`), stopearly (READY with the model cold
 again, the early reads stopping when the fill begins, `WEIGHTCACHE_EARLY_READS_BESIDE_FILL=0`,
@@ -805,6 +807,12 @@ def _warm_steps(r: dict[str, Any], kind: str, model_dir: Path, files: list[Path]
             r["preload_warm_threads32"] = _safe(
                 "preload warm, 32 readers", preload_once, model_dir, files, False,
                 {"WEIGHTCACHE_LOAD_THREADS": "32"})
+        if "hotstep" in parts:  # the warm fill's hash piece, 16 MiB against 4 (coldload)
+            for suffix in ("", "_again"):
+                for mib in HOT_STEP_MIB:
+                    r[f"preload_warm_hot_step{mib}{suffix}"] = _safe(
+                        f"preload warm, {mib} MiB hash pieces", preload_once, model_dir,
+                        files, False, {"WEIGHTCACHE_LOAD_HOT_STEP_MIB": str(mib)})
 
 
 def _attach_restart_summary(r: dict[str, Any], kind: str, model_dir: Path, files: list[Path],
@@ -944,6 +952,8 @@ def engine_cold_start(model_dir: Path, files: list[Path]) -> dict[str, Any]:
 
 
 # READY with every cache dropped, the import set read ahead the earlier way (importset.py).
+# `hotstep`: the warm fill's hash piece (WEIGHTCACHE_LOAD_HOT_STEP_MIB), in this order, twice.
+HOT_STEP_MIB = (16, 4)
 PLAIN_PREFETCH_READY = {"preload_cold_plain_prefetch": {"WEIGHTCACHE_IMPORT_SET_PREFETCH":
                                                         "plain"}}
 
@@ -1107,6 +1117,12 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         p32 = _get(r, "preload_warm_threads32", "ready")
         if p32 and (rate := _rank_gb_per_s(p32, nbytes)) is not None:
             s["preload_warm_threads32_rank_gb_per_s"] = rate
+        for mib in HOT_STEP_MIB:
+            for suffix in ("", "_again"):
+                key = f"preload_warm_hot_step{mib}{suffix}"
+                hot = _get(r, key, "ready")
+                if hot and (rate := _rank_gb_per_s(hot, nbytes)) is not None:
+                    s[f"{key}_rank_gb_per_s"] = rate
         s["preload_warm_phases"] = _phases(pw)
         s["preload_warm_early"] = _early(pw)
     pa = _get(r, "preload_warm_again", "ready")

@@ -72,11 +72,14 @@ DEFAULT_THREADS = 32
 # The read size (loadenv.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
-# cache still holds it. Four content chunks: 1 MiB when it was written (chunks were 256 KiB),
-# 4 MiB since chunks are 1 MiB. One chunk (within one core's L2) hashed 5-15% faster on the
-# 2-core development machine, but the warm fill moved within its noise (eight runs in turn,
-# medians -6% to +7%: docs/results/cpu-2026-12-06-hotstep), so it stays until a GPU VM's 16
-# readers show the difference.
+# cache still holds it (`WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets another). Four content chunks:
+# 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Measured warm
+# into a GPU with 16 readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as
+# fast as 4 MiB (10.2-10.6 against 19.3-20.0 GB/s: four times the `pread` calls and their
+# turns at the GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB 3%;
+# on the 2-core development machine (AMD, 32 MiB of L3) 16 MiB ran 10-12% slower than 4 and
+# 1 MiB the same. So 4 MiB stays the default until READY itself measures the difference
+# (`weightcache bench load`'s `hotstep` part); docs/results/cpu-2026-12-06-hotstep.
 HOT_STEP = 4 * CHUNK_BYTES
 # The CPU's work (page-cache copies, early-read copies, hashing) runs in at most this many
 # readers at once: the disk wants 32 reads in flight, the CPU no more workers than cores (on
@@ -115,6 +118,7 @@ class LoadStats:
     threads: int = 0
     chunk: int = 0
     direct: bool | str = "auto"
+    hot_step: int = HOT_STEP  # the piece a page-cache read is hashed in
     staged_tensors: int = 0
     cached_bytes: int = 0  # read through the page cache (the range was resident)
     direct_bytes: int = 0  # read with O_DIRECT
@@ -140,6 +144,7 @@ class LoadStats:
             "threads": self.threads,
             "chunk_mib": self.chunk // MiB,
             "direct": self.direct,
+            "hot_step_mib": self.hot_step // MiB,
             "staged_tensors": self.staged_tensors,
             "cached_bytes": self.cached_bytes,
             "direct_bytes": self.direct_bytes,
@@ -277,13 +282,15 @@ class _Reader:
 
     def __init__(self, device: torch.device, chunk: int, direct: bool | str,
                  opened: dict[Path, int] | None = None,
-                 cpu: threading.Semaphore | None = None, disk: DiskShare | None = None) -> None:
+                 cpu: threading.Semaphore | None = None, disk: DiskShare | None = None,
+                 hot_step: int = HOT_STEP) -> None:
         t0 = time.perf_counter()
         self.opened = opened or {}  # path -> fd opened before the load: read that inode
         self.cpu = cpu or threading.Semaphore(1)  # shared by the load's readers (cpu_slots)
         self.disk = disk  # the direct reads yield to other readers of the disk (diskshare)
         self.chunk = chunk
         self.span = span_of(chunk)  # file bytes per read; alignment slack fits in `chunk`
+        self.hot_step = hot_step  # whole content chunks (hot_step()): a piece's hash starts on one
         self.mode = direct  # True, False or "auto" (per range, by page-cache residency)
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
@@ -343,7 +350,7 @@ class _Reader:
         """Read [start, end) into the next free pinned buffer; (buffer, skip) where data starts.
 
         `hash_piece(bytes, file_offset)` sees every byte read, on the chunk grid: through the
-        page cache in HOT_STEP pieces, each hashed right after its copy while the CPU's cache
+        page cache in `hot_step` pieces, each hashed right after its copy while the CPU's cache
         still holds it (one pass over memory fewer: the warm load is memory-bound), after an
         O_DIRECT read (the device wrote it; no cache to win) in one piece.
         """
@@ -391,7 +398,7 @@ class _Reader:
                   hash_piece: Callable[[memoryview, int], None]) -> int:
         got = 0
         while got < len(view):
-            want = min(HOT_STEP, len(view) - got)
+            want = min(self.hot_step, len(view) - got)
             n = read_fully(fd, view[got : got + want], offset + got)
             if n:
                 t0 = time.perf_counter()
@@ -405,12 +412,12 @@ class _Reader:
     def stage(self, data: Any, hash_piece: Callable[[memoryview, int], None] | None = None,
               offset: int = 0) -> torch.Tensor:
         """Copy bytes already in host memory (an early read) into the next free buffer,
-        hashing each HOT_STEP piece right after its copy."""
+        hashing each `hot_step` piece right after its copy."""
         buf = self._next_buffer()
         out = buf.numpy()
         with self.cpu:
-            for at in range(0, len(data), HOT_STEP):
-                piece = data[at : at + HOT_STEP]
+            for at in range(0, len(data), self.hot_step):
+                piece = data[at : at + self.hot_step]
                 np.copyto(out[at : at + len(piece)], piece)  # releases the GIL
                 if hash_piece is not None:
                     t0 = time.perf_counter()
@@ -516,6 +523,13 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
     with reader.on_stream():
         copy_entry(staged, entry, flat[entry.offset : entry.offset + entry.nbytes])
         del staged
+
+
+def hot_step() -> int:
+    """The piece a page-cache read is hashed in (HOT_STEP, `WEIGHTCACHE_LOAD_HOT_STEP_MIB`), in
+    whole content chunks."""
+    step = loadenv.hot_step(HOT_STEP)
+    return max(CHUNK_BYTES, step - step % CHUNK_BYTES)
 
 
 def _job_nbytes(job: Job) -> int:
@@ -637,7 +651,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
           progress: Callable[[int], None] | None, sink: ChunkSink | None,
           opened: dict[Path, int], early: EarlyReads | None = None, idle: bool = False,
           disk: DiskShare | None = None) -> LoadStats:
-    stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
+    stats = LoadStats(threads=threads, chunk=chunk, direct=mode, hot_step=hot_step())
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
     jobs = plan_jobs(entries, span_of(chunk), cover,
@@ -670,7 +684,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
                 torch.cuda.set_device(device)
             if idle:
                 idle_io_priority()
-            reader = _Reader(device, chunk, mode, opened, cpu, disk)
+            reader = _Reader(device, chunk, mode, opened, cpu, disk, stats.hot_step)
             while True:
                 job = work.get()
                 if job is None or errors:

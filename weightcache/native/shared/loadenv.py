@@ -25,6 +25,8 @@ DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
 IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
 YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
 START_GENTLE_ENV = "WEIGHTCACHE_LOAD_START_GENTLE_S"
+HOT_STEP_ENV = "WEIGHTCACHE_LOAD_HOT_STEP_MIB"
+MAX_HOT_STEP_MIB = 256
 
 T = TypeVar("T")
 
@@ -96,10 +98,20 @@ def _chunk(value: str | None) -> int:
     return max(4 * PAGE, chunk - chunk % PAGE)
 
 
+def _hot_step(value: str | None, default: int) -> int:
+    if value is None or not value.strip():
+        return default
+    mib = whole_number(HOT_STEP_ENV, value, 1, "a whole number of MiB")
+    if mib > MAX_HOT_STEP_MIB:
+        raise ValueError(f"{HOT_STEP_ENV}={value!r}: use 1 to {MAX_HOT_STEP_MIB} (MiB)")
+    return mib * MiB
+
+
 def check() -> None:
     """Every knob as the loader will read it; ValueError naming the first bad one."""
     _positive(THREADS_ENV, os.environ.get(THREADS_ENV), 1)
     _chunk(os.environ.get(CHUNK_ENV))
+    _hot_step(os.environ.get(HOT_STEP_ENV), MiB)
     direct_mode(os.environ.get(DIRECT_ENV))
     io_priority(os.environ.get(IO_PRIORITY_ENV))
     yield_mode(os.environ.get(YIELD_ENV))
@@ -137,6 +149,12 @@ def chunk() -> int:
     """The fill's read size (`WEIGHTCACHE_LOAD_CHUNK_MIB`), page-aligned. The early reads cut
     their jobs with it too, so both must read it the same way."""
     return _lenient(lambda: _chunk(os.environ.get(CHUNK_ENV)), DEFAULT_CHUNK)
+
+
+def hot_step(default: int) -> int:
+    """`WEIGHTCACHE_LOAD_HOT_STEP_MIB`: the piece a page-cache read is copied and then hashed
+    in (coldload.HOT_STEP), 1 to 256 MiB, else `default`."""
+    return _lenient(lambda: _hot_step(os.environ.get(HOT_STEP_ENV), default), default)
 
 
 def direct() -> bool | str:
