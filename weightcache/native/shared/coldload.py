@@ -76,7 +76,7 @@ DEFAULT_THREADS = 32
 # 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Measured warm
 # into a GPU with 16 readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as
 # fast as 4 MiB (10.2-10.6 against 19.3-20.0 GB/s: four times the `pread` calls and their
-# turns at the GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB 3%;
+# turns at the GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB +3%;
 # on the 2-core development machine (AMD, 32 MiB of L3) 16 MiB ran 10-12% slower than 4 and
 # 1 MiB the same. So 4 MiB stays the default until READY itself measures the difference
 # (`weightcache bench load`'s `hotstep` part); docs/results/cpu-2026-12-06-hotstep.
