@@ -622,6 +622,54 @@ def test_a_seed_is_read_only_where_the_nodes_set_is_missing_and_only_if_trusted(
     assert importset.start_prefetch() == (None, None)
 
 
+def test_a_nodes_set_of_another_images_files_gives_way_to_this_images_seed(
+        tmp_path, monkeypatch):
+    """An agent upgrade: the node's set was recorded under the old image's seed and names the
+    old image's files, every one of which would be skipped as changed, so the start would be as
+    slow as one with no set. It reads the new image's seed instead, and writes its own set
+    anew. Under the same seed it reads its own set; a set that names no seed (recorded before
+    sets did) is read as before; where the seed cannot be trusted, the node's set stays."""
+    lib = _file(tmp_path / "lib.so", 4)
+    ident = importset._identity(lib.stat())
+    seed, own = tmp_path / "seed.json", tmp_path / "own.json"
+
+    def write(path: Path, pages: int, image: list[int] | None = None) -> None:
+        data: dict = {"version": importset.VERSION, "files": [
+            {"path": str(lib), "identity": ident, "ranges": [[0, pages * PAGE]]}]}
+        if image is not None:
+            data["seed"] = image
+        path.write_text(json.dumps(data))
+        os.chmod(path, 0o644 if path == seed else 0o600)
+
+    def started() -> importset.Prefetch:
+        found, prefetch = importset.start_prefetch()
+        importset.stop_watching()  # this test process's opens are no start's
+        assert found == own and prefetch is not None
+        assert prefetch.done.wait(30)
+        return prefetch
+
+    monkeypatch.setenv(importset.ENV, str(own))
+    monkeypatch.setenv(importset.SEED_ENV, str(seed))
+    write(seed, 1)
+    image = [seed.stat().st_size, seed.stat().st_mtime_ns]
+    written = importset.record(tmp_path / "recorded.json")  # a node's set names its seed
+    assert written is not None and written["seed"] == image
+    write(own, 2, image)
+    same = started()
+    assert not same.seeded and same.files[0]["ranges"] == [(0, 2 * PAGE)]
+    later = image[1] + importset.IMAGE_MTIME_NS
+    os.utime(seed, ns=(later, later))  # the new image's seed
+    upgraded = started()
+    assert upgraded.seeded and upgraded.files[0]["ranges"] == [(0, PAGE)]
+    assert upgraded.needs_record()
+    write(own, 2)  # names no seed
+    assert not started().seeded
+    write(own, 2, image)
+    os.chmod(seed, 0o664)  # writable by its group: not trusted, so the node's set stays
+    kept = started()
+    assert not kept.seeded and kept.files[0]["ranges"] == [(0, 2 * PAGE)]
+
+
 def _distributions_with_entry_points() -> bool:
     import importlib.metadata
 

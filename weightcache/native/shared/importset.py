@@ -65,10 +65,13 @@ mtime cut to the second (`"mtime_resolution_ns": 1000000000`, IMAGE_MTIME_NS), a
 are compared that way; a node's own set keeps the nanoseconds. Read with nanoseconds, every
 entry of a seed for files that the build itself installed would have been skipped as changed
 on every node. It is read
-only where the node's own set is missing or untrusted; it may be owned by root (the image's
-build), never writable by others; the start then writes the node's own set all the same
-(`needs_record`), which adds what only a node has (the driver's libraries, mounted at run time)
-and is read from then on. READY's `import_prefetch.seeded` says a seed was read.
+only where the node's own set is missing or untrusted, or was recorded under another seed: a
+node's set names the seed's [size, mtime_ns] (`"seed"`), and after an agent upgrade it names
+the old image's files, every one of which would be skipped as changed (a start as slow as one
+with no set). The seed may be owned by root (the image's build), never writable by others;
+the start then writes the node's own set all the same (`needs_record`), which adds what only a
+node has (the driver's libraries, mounted at run time) and is read from then on. READY's
+`import_prefetch.seeded` says a seed was read.
 
 The prefetch is the first thing a rank process does (`python -m weightcache.native.daemon`
 runs `start_prefetch` before it imports the rank's own modules): those modules, numpy among
@@ -367,6 +370,8 @@ def record(path: Path, exclude: list[str | os.PathLike] = (), *, shared: bool = 
     it is written over is stale at once (its identity is the old file's), so every later start
     would write it anew, from whatever the page cache held then."""
     found = collect([*exclude, path], whole_seconds=whole_seconds)
+    if not whole_seconds and (image := _seed_identity()) is not None:
+        found["seed"] = image  # which image's files this node's set names (start_prefetch)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(mode=0o755 if shared else 0o700, parents=True, exist_ok=True)
@@ -394,9 +399,25 @@ def _forget_stale(path: Path) -> None:
                 tmp.unlink()
 
 
+def _seed_identity() -> list[int] | None:
+    """[size, mtime_ns] of the seed `WEIGHTCACHE_IMPORT_SET_SEED` names, if it is a file: the
+    image a node's set was recorded under (a new image carries a new seed)."""
+    seed = seed_path()
+    try:
+        st = os.stat(seed) if seed is not None else None
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns] if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
 def start_prefetch() -> tuple[Path | None, Prefetch | None]:
     """(where the set lives, its prefetch started now); (None, None) when turned off. Never
-    raises: a start must not fail over a read-ahead."""
+    raises: a start must not fail over a read-ahead.
+
+    The node's own set, else the image's seed. Also the seed where the node's set was recorded
+    under another seed than the image has now: the agent was upgraded, and the set names the
+    old image's files, every one of which would be skipped as changed, leaving the start as
+    slow as a first start with no set."""
     try:
         found = set_path()
         if found is None:
@@ -404,12 +425,16 @@ def start_prefetch() -> tuple[Path | None, Prefetch | None]:
         watch_opens()  # for this start's record, if it writes one
         _Opened.quiet.on = True  # the sets are not what the start reads
         try:
-            files, seeded = load(found), False
-            if not files and (seed := seed_path()) is not None:
-                # A node's first start (or a set we could not trust): the seed, written by
-                # root where the image was built, or by this user.
-                files = load(seed, owners=(os.getuid(), 0))
-                seeded = bool(files)
+            recorded: dict[str, Any] = {}
+            files, seeded = load(found, meta=recorded), False
+            image = _seed_identity()
+            upgraded = image is not None and recorded.get("seed") not in (None, image)
+            # A node's first start (or a set we could not trust), or a set of another image's
+            # files (an upgrade): the seed, written by root where the image was built, or by
+            # this user. The node's set stays where no seed can be read.
+            if ((not files or upgraded) and (seed := seed_path()) is not None
+                    and (seed_files := load(seed, owners=(os.getuid(), 0)))):
+                files, seeded = seed_files, True
         finally:
             _Opened.quiet.on = False
         return found, Prefetch(files, seeded=seeded).start()
@@ -417,10 +442,12 @@ def start_prefetch() -> tuple[Path | None, Prefetch | None]:
         return None, None
 
 
-def load(path: Path, owners: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+def load(path: Path, owners: tuple[int, ...] | None = None,
+         meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The files of the import set at `path`; [] if there is none we can trust or parse:
     a regular file (not a link) owned by this user (or by one of `owners`), writable by no
-    one else, at most MAX_SET_BYTES."""
+    one else, at most MAX_SET_BYTES. `meta` receives the set's `seed` ([size, mtime_ns] of
+    the seed it was recorded under), if it names one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -442,6 +469,10 @@ def load(path: Path, owners: tuple[int, ...] | None = None) -> list[dict[str, An
     if not isinstance(files, list) or resolution not in (1, IMAGE_MTIME_NS):
         return []
     whole_seconds = resolution == IMAGE_MTIME_NS
+    image = data.get("seed")
+    if (meta is not None and isinstance(image, list) and len(image) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in image)):
+        meta["seed"] = image
     good = []
     for f in files[:MAX_FILES]:
         if not isinstance(f, dict) or not isinstance(f.get("path"), str):
