@@ -576,6 +576,15 @@ def test_the_seed_recorder_drops_the_installed_files_from_the_page_cache_first()
         os.close(fd)
 
 
+def _started(own: Path) -> importset.Prefetch:
+    """A rank's start as far as its import set: the prefetch `start_prefetch` chose, done."""
+    found, prefetch = importset.start_prefetch()
+    importset.stop_watching()  # this test process's opens are no start's
+    assert found == own and prefetch is not None
+    assert prefetch.done.wait(30)
+    return prefetch
+
+
 def test_a_seed_is_read_only_where_the_nodes_set_is_missing_and_only_if_trusted(
         tmp_path, monkeypatch):
     """The seed may be root's (the image's build) or this user's, never writable by others;
@@ -593,30 +602,23 @@ def test_a_seed_is_read_only_where_the_nodes_set_is_missing_and_only_if_trusted(
     monkeypatch.setenv(importset.ENV, str(own))
     monkeypatch.setenv(importset.SEED_ENV, str(seed))
 
-    def started() -> importset.Prefetch:
-        found, prefetch = importset.start_prefetch()
-        importset.stop_watching()  # this test process's opens are no start's
-        assert found == own and prefetch is not None
-        assert prefetch.done.wait(30)
-        return prefetch
-
-    first = started()
+    first = _started(own)
     assert first.seeded and first.files[0]["ranges"] == [(0, PAGE)] and first.needs_record()
     write(own, 2)
     os.chmod(own, 0o600)
-    second = started()
+    second = _started(own)
     assert not second.seeded and second.files[0]["ranges"] == [(0, 2 * PAGE)]
     assert not second.needs_record()
     own.unlink()
     os.chmod(seed, 0o664)  # writable by its group: not trusted
-    assert started().files == []
+    assert _started(own).files == []
     os.chmod(seed, 0o644)
     if os.getuid() == 0:  # root can give it to another user, whose seed is not trusted
         os.chown(seed, 4321, 4321)
-        assert started().files == []
+        assert _started(own).files == []
         assert importset.load(seed, owners=(4321,)) != []
     monkeypatch.setenv(importset.SEED_ENV, "off")
-    assert importset.seed_path() is None and started().files == []
+    assert importset.seed_path() is None and _started(own).files == []
     monkeypatch.setenv(importset.ENV, "off")
     monkeypatch.setenv(importset.SEED_ENV, str(seed))
     assert importset.start_prefetch() == (None, None)
@@ -641,13 +643,6 @@ def test_a_nodes_set_of_another_images_files_gives_way_to_this_images_seed(
         path.write_text(json.dumps(data))
         os.chmod(path, 0o644 if path == seed else 0o600)
 
-    def started() -> importset.Prefetch:
-        found, prefetch = importset.start_prefetch()
-        importset.stop_watching()  # this test process's opens are no start's
-        assert found == own and prefetch is not None
-        assert prefetch.done.wait(30)
-        return prefetch
-
     monkeypatch.setenv(importset.ENV, str(own))
     monkeypatch.setenv(importset.SEED_ENV, str(seed))
     write(seed, 1)
@@ -655,18 +650,18 @@ def test_a_nodes_set_of_another_images_files_gives_way_to_this_images_seed(
     written = importset.record(tmp_path / "recorded.json")  # a node's set names its seed
     assert written is not None and written["seed"] == image
     write(own, 2, image)
-    same = started()
+    same = _started(own)
     assert not same.seeded and same.files[0]["ranges"] == [(0, 2 * PAGE)]
     later = image[1] + importset.IMAGE_MTIME_NS
     os.utime(seed, ns=(later, later))  # the new image's seed
-    upgraded = started()
+    upgraded = _started(own)
     assert upgraded.seeded and upgraded.files[0]["ranges"] == [(0, PAGE)]
     assert upgraded.needs_record()
     write(own, 2)  # names no seed
-    assert not started().seeded
+    assert not _started(own).seeded
     write(own, 2, image)
     os.chmod(seed, 0o664)  # writable by its group: not trusted, so the node's set stays
-    kept = started()
+    kept = _started(own)
     assert not kept.seeded and kept.files[0]["ranges"] == [(0, 2 * PAGE)]
 
 
