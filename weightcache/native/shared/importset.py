@@ -370,7 +370,7 @@ def record(path: Path, exclude: list[str | os.PathLike] = (), *, shared: bool = 
     it is written over is stale at once (its identity is the old file's), so every later start
     would write it anew, from whatever the page cache held then."""
     found = collect([*exclude, path], whole_seconds=whole_seconds)
-    if not whole_seconds and (image := _seed_identity()) is not None:
+    if not whole_seconds and (image := _seed_identity(seed_path())) is not None:
         found["seed"] = image  # which image's files this node's set names (start_prefetch)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -399,10 +399,9 @@ def _forget_stale(path: Path) -> None:
                 tmp.unlink()
 
 
-def _seed_identity() -> list[int] | None:
-    """[size, mtime_ns] of the seed `WEIGHTCACHE_IMPORT_SET_SEED` names, if it is a file: the
-    image a node's set was recorded under (a new image carries a new seed)."""
-    seed = seed_path()
+def _seed_identity(seed: Path | None) -> list[int] | None:
+    """[size, mtime_ns] of the seed (`seed_path`), if it is a file: the image a node's set was
+    recorded under (a new image carries a new seed)."""
     try:
         st = os.stat(seed) if seed is not None else None
     except OSError:
@@ -427,12 +426,13 @@ def start_prefetch() -> tuple[Path | None, Prefetch | None]:
         try:
             recorded: dict[str, Any] = {}
             files, seeded = load(found, meta=recorded), False
-            image = _seed_identity()
+            seed = seed_path()
+            image = _seed_identity(seed)
             upgraded = image is not None and recorded.get("seed") not in (None, image)
             # A node's first start (or a set we could not trust), or a set of another image's
             # files (an upgrade): the seed, written by root where the image was built, or by
             # this user. The node's set stays where no seed can be read.
-            if ((not files or upgraded) and (seed := seed_path()) is not None
+            if ((not files or upgraded) and seed is not None
                     and (seed_files := load(seed, owners=(os.getuid(), 0)))):
                 files, seeded = seed_files, True
         finally:
