@@ -58,7 +58,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..shared import content as content_mod
-from ..shared import hostmem, libc
+from ..shared import hostmem, libc, memlimit
 from ..shared.coldload import share_chunks
 from ..shared.residency import resident
 from ..shared.threads import Pool
@@ -261,7 +261,7 @@ class FileImage:
         """The files read into a host buffer of ours, then copied: for a late registration
         the driver refused. No host thread touches a mapped page (as a pageable copy from the
         mapping would: a SIGBUS if the file were truncated under it)."""
-        avail = hostmem.host_memory_available()
+        avail = memlimit.available()
         if avail is not None and avail < self.nbytes + hostmem.RESERVE_BYTES:
             raise ImageRefused(f"the driver would not pin the files and host memory holds no "
                                f"copy of {self.nbytes} bytes ({avail} available)")

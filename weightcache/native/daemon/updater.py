@@ -53,8 +53,8 @@ from ..shared import hostmem
 from ..shared import protocol as proto
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.errors import UpdateError
-from ..shared.hostmem import host_memory_available
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
+from ..shared.memlimit import available as host_memory_available
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
 from . import staging

@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightcache import constants
 
-from . import loadenv
+from . import loadenv, memlimit
 from .content import CHUNK_BYTES, FileIdentity
 from .diskshare import DiskShare, idle_io_priority, normal_io_priority
 from .residency import resident
@@ -162,23 +162,13 @@ def cover_spans(size: int, span: int) -> list[tuple[int, int]]:
 
 
 def default_budget(local_ranks: int = 1) -> int:
-    """`WEIGHTCACHE_LOAD_EARLY_MIB`, else a quarter of the memory available now, shared by the
-    node's ranks, at most MAX_BUDGET each."""
+    """`WEIGHTCACHE_LOAD_EARLY_MIB`, else a quarter of the memory this process may still take
+    (the node's, capped by its container's limit: memlimit.py), shared by the node's ranks, at
+    most MAX_BUDGET each."""
     text = os.environ.get(BUDGET_ENV, "").strip().lower()
     if text not in {"", "auto"}:
         return loadenv.whole_number(BUDGET_ENV, text, 0, "auto or a number of MiB") * MiB
-    return min(MAX_BUDGET, _available() // (4 * max(1, local_ranks)))
-
-
-def _available() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return min(MAX_BUDGET, (memlimit.available() or 0) // (4 * max(1, local_ranks)))
 
 
 @dataclass

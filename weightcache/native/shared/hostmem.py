@@ -18,7 +18,6 @@ import errno
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from . import libc
 
@@ -29,26 +28,6 @@ SLICE_BYTES = 1 << 30  # a thread's unit of population (huge-page aligned)
 RESERVE_BYTES = 512 << 20
 
 _madvise = libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
-
-
-def host_memory_available() -> int | None:
-    """Bytes this process may still take: MemAvailable, capped by its cgroup v2 limit.
-
-    The cgroup matters in a pod: the node may have memory to spare while the container's
-    limit is nearly reached, and exceeding it gets the daemon OOM-killed mid-update."""
-    avail: int | None = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        rel = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
-        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (group / "memory.max").read_text().strip()
-        if limit != "max":
-            room = int(limit) - int((group / "memory.current").read_text())
-            avail = room if avail is None else min(avail, room)
-    return avail
 
 
 def address(buf: mmap.mmap) -> int:
