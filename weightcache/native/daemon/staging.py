@@ -57,8 +57,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..shared import cgroups, hostmem, libc
 from ..shared import content as content_mod
-from ..shared import hostmem, libc, memlimit
 from ..shared.coldload import share_chunks
 from ..shared.residency import resident
 from ..shared.threads import Pool
@@ -261,7 +261,7 @@ class FileImage:
         """The files read into a host buffer of ours, then copied: for a late registration
         the driver refused. No host thread touches a mapped page (as a pageable copy from the
         mapping would: a SIGBUS if the file were truncated under it)."""
-        avail = memlimit.available()
+        avail = cgroups.available_memory()
         if avail is not None and avail < self.nbytes + hostmem.RESERVE_BYTES:
             raise ImageRefused(f"the driver would not pin the files and host memory holds no "
                                f"copy of {self.nbytes} bytes ({avail} available)")
@@ -322,7 +322,7 @@ def _parallel(fn: Callable[[Any], Any], items: Iterable[Any], threads: int | Non
     items = list(items)
     if not items:
         return []
-    count = max(1, min(threads or os.cpu_count() or 1, len(items)))
+    count = max(1, min(threads or cgroups.usable_cpus(), len(items)))
     with ThreadPoolExecutor(count, thread_name_prefix="weightcache-stage") as pool:
         return list(pool.map(fn, items))
 

@@ -51,10 +51,11 @@ import torch
 from ..shared import content as content_mod
 from ..shared import hostmem
 from ..shared import protocol as proto
+from ..shared.cgroups import available_memory as host_memory_available
+from ..shared.cgroups import usable_cpus
 from ..shared.checkpoint import CheckpointError, open_checkpoint
 from ..shared.errors import UpdateError
 from ..shared.loader import ArenaLayout, ArenaLayoutError, load_into_arena
-from ..shared.memlimit import available as host_memory_available
 from ..shared.rankplan import plan_rank_shard
 from ..shared.sharding import ShardingError, ShardRule
 from . import staging
@@ -189,7 +190,7 @@ def _sha256(buf: torch.Tensor) -> str:
     takes about a second instead of ten, off the pause but on the update's total time."""
     view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
     chunks = [view[i: i + DIGEST_CHUNK] for i in range(0, len(view), DIGEST_CHUNK)]
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(16, usable_cpus())) as pool:
         parts = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
     return "sha256:" + hashlib.sha256(b"".join(parts)).hexdigest()
 
@@ -571,7 +572,7 @@ class RankUpdater:
                     "staging": "files", "allocate_seconds": round(steps.get("pin_seconds", 0), 6),
                     "read_seconds": round(seconds, 6),
                     "read_gb_per_s": round(layout.nbytes / max(seconds, 1e-9) / 1e9, 3),
-                    "read_threads": os.cpu_count() or 1,
+                    "read_threads": usable_cpus(),
                     "digest_seconds": round(steps["digest_seconds"], 6)}
         keeping.make_room(layout.nbytes)  # a copy started for a refused image
         t_alloc = time.monotonic()

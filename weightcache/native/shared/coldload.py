@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import loadenv
+from . import cgroups, loadenv
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
 from .diskshare import DiskShare, for_load, idle_io_priority
 from .earlyread import (
@@ -86,7 +86,7 @@ HOT_STEP = 4 * CHUNK_BYTES
 # the H200 host, 32 readers copying and hashing from the page cache ran 14.2 GB/s, 16 ran
 # 21.8: tests/gpu/probe_io.py).
 def cpu_slots(threads: int) -> int:
-    return max(1, min(threads, os.cpu_count() or 1))
+    return max(1, min(threads, cgroups.usable_cpus()))
 
 
 @dataclass(frozen=True)
@@ -571,7 +571,7 @@ def load_entries(
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError("the arena must be a flat uint8 tensor")
     # A CPU arena has no copy engine to keep busy: a few readers per core are enough.
-    default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * (os.cpu_count() or 2))
+    default = DEFAULT_THREADS if flat.is_cuda else min(DEFAULT_THREADS, 2 * cgroups.usable_cpus())
     chunk = chunk or loadenv.chunk()  # the early reads cut their jobs with the same size
     chunk = max(4 * PAGE, chunk - chunk % PAGE)
     mode = loadenv.direct() if direct is None else loadenv.direct_mode(direct)

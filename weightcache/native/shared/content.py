@@ -48,6 +48,7 @@ from typing import Any
 
 from weightcache.errors import ProjectError
 
+from . import cgroups
 from .checkpoint import CheckpointError, open_checkpoint
 
 try:  # the `native` extra installs it; without it the slower standard-library hash
@@ -226,7 +227,7 @@ def digest_into(sink: ChunkSink, fds: Mapping[Path, int], *,
         wanted = None if sink.coverage is None else sink.coverage[path]
         for first, count in _runs(n_chunks(ident.size, sink.chunk_bytes), wanted, _TASK_CHUNKS):
             jobs.append((path, first, count, ident.size))
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+    workers = max(1, min(workers or cgroups.usable_cpus(), len(jobs) or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest") as pool:
         futures = [(path, pool.submit(_digest_run, sink, path, fds[path], first, count, size))
                    for path, first, count, size in jobs]
@@ -259,7 +260,7 @@ def digest_files(
                 raise ContentError(f"{path}: cannot read: {exc}") from None
             idents[path] = FileIdentity.of(os.fstat(fd))
         sink = ChunkSink(idents, chunk_bytes)
-        digest_into(sink, opened, workers=workers or min(8, os.cpu_count() or 1))
+        digest_into(sink, opened, workers=workers or min(8, cgroups.usable_cpus()))
         for path, fd in opened.items():
             after = FileIdentity.of(os.stat(path))
             if after != idents[path] or FileIdentity.of(os.fstat(fd)) != idents[path]:

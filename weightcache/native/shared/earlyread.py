@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightcache import constants
 
-from . import loadenv, memlimit
+from . import cgroups, loadenv
 from .content import CHUNK_BYTES, FileIdentity
 from .diskshare import DiskShare, idle_io_priority, normal_io_priority
 from .residency import resident
@@ -163,12 +163,12 @@ def cover_spans(size: int, span: int) -> list[tuple[int, int]]:
 
 def default_budget(local_ranks: int = 1) -> int:
     """`WEIGHTCACHE_LOAD_EARLY_MIB`, else a quarter of the memory this process may still take
-    (the node's, capped by its container's limit: memlimit.py), shared by the node's ranks, at
+    (the node's, capped by its container's limit: cgroups.py), shared by the node's ranks, at
     most MAX_BUDGET each."""
     text = os.environ.get(BUDGET_ENV, "").strip().lower()
     if text not in {"", "auto"}:
         return loadenv.whole_number(BUDGET_ENV, text, 0, "auto or a number of MiB") * MiB
-    return min(MAX_BUDGET, (memlimit.available() or 0) // (4 * max(1, local_ranks)))
+    return min(MAX_BUDGET, (cgroups.available_memory() or 0) // (4 * max(1, local_ranks)))
 
 
 @dataclass

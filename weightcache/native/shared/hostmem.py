@@ -16,10 +16,9 @@ import contextlib
 import ctypes
 import errno
 import mmap
-import os
 from concurrent.futures import ThreadPoolExecutor
 
-from . import libc
+from . import cgroups, libc
 
 MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
 MADV_POPULATE_WRITE = 23
@@ -62,7 +61,7 @@ def populate(addr: int, length: int, advice: int = MADV_POPULATE_WRITE,
         if not failed and _madvise(addr + piece[0], piece[1], advice) != 0:
             failed.append(ctypes.get_errno())
 
-    count = max(1, min(threads or os.cpu_count() or 1, len(rest)))
+    count = max(1, min(threads or cgroups.usable_cpus(), len(rest)))
     with ThreadPoolExecutor(count, thread_name_prefix="weightcache-populate") as pool:
         list(pool.map(work, rest))
     return failed[0] if failed else 0
