@@ -21,8 +21,10 @@ limit below the container's counts too.
 
 Memory a group still allows is its limit less its working set: usage less the inactive file
 pages (`inactive_file` in v2's `memory.stat`, `total_inactive_file` in v1's), which the kernel
-reclaims within the group before it kills anything; it is the figure the kubelet evicts by. A
-limit of "max" (v2) or of at least UNLIMITED bytes (v1 writes 2^63 less a page) is none.
+reclaims within the group before it kills anything; it is the figure the kubelet evicts by
+(Kubernetes' node-pressure eviction docs, `memory-available.sh`: usage less
+`total_inactive_file`). A limit of "max" (v2) or of at least UNLIMITED bytes (v1 writes 2^63
+less a page) is none.
 CPUs are those of the process's affinity (its cpuset), at most the tightest quota rounded up
 (v2 `cpu.max` "quota period", v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`; "max" or -1: none).
 """
