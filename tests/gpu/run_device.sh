@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -155,6 +155,14 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-ready-start PROBE_OUT="$OUT/probe_ready_start.json" \
         timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_ready_start.py 2>&1 | tee "$OUT/probe_ready_start.log"
       rm -rf /var/tmp/wc-ready-start
+      ;;
+    probe_import_order)
+      # tests/gpu/probe_import_order.py: a cold import set read in the recorded order and in
+      # the disk's physical order (FIEMAP), alternated PROBE_ROUNDS times (default 3); no GPU.
+      shift
+      PROBE_DIR=/var/tmp/wc-order PROBE_OUT="$OUT/probe_import_order.json" \
+        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_import_order.py 2>&1 | tee "$OUT/probe_import_order.log"
+      rm -rf /var/tmp/wc-order
       ;;
     *) echo "unknown step $1"; shift ;;
   esac
