@@ -13,6 +13,7 @@ socket, 4 socket directory refused by the security checks, 1 anything else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from weightcache.contracts.vocabulary import (
     EXIT_SECURITY,
 )
 
-from ..shared import diskshare, importset, limits, loadenv
+from ..shared import diskshare, importset, limits, loadenv, tpshare
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
@@ -161,7 +162,7 @@ def run(config: RankConfig,
             raise Stop()
         # What the last start read: read it ahead, in large reads.
         set_file, held.prefetch = prefetch or importset.start_prefetch()
-        held.early = start_early_reads(config, ckpt, held.prefetch)
+        held.early = start_early_reads(config, ckpt, held.prefetch, rules)
         clock.stamp("early_started")
         if held.prefetch is not None:
             held.prefetch.wait_for_import(PREFETCH_WAIT_S)
@@ -238,15 +239,17 @@ def claim_socket(config: RankConfig) -> _Held:
 
 
 def start_early_reads(config: RankConfig, ckpt: Checkpoint,
-                      prefetch: importset.Prefetch | None = None) -> EarlyReads | None:
-    """Read the first files while torch and the device start (earlyread.py; the fill
-    digests them).
+                      prefetch: importset.Prefetch | None = None,
+                      rules: list[ShardRule] | None = None) -> EarlyReads | None:
+    """Read the rank's first jobs while torch and the device start (earlyread.py; the fill
+    digests them). Nothing when the budget is 0.
 
-    Only a rank that reads whole files (tensor-parallel size 1): a tensor-parallel rank reads
-    its share, which takes the layout (and torch) to compute. Nothing when the budget is 0.
+    A whole-file rank (tensor-parallel size 1) reads its files front to back. A
+    tensor-parallel rank reads the jobs of its share that no other rank of its group reads
+    (tpshare.py: from the headers, the shard rules and `--dtype`, without torch; planned on
+    the early reads' own thread); the chunks the ranks share are left to their fills' buffered
+    reads, which the page cache lets them share.
     """
-    if config.tp_size > 1:
-        return None
     try:
         budget = default_budget(config.local_ranks)
     except ValueError as exc:
@@ -273,7 +276,12 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
             after = None
         prefetch.when_warm(share.settle)
         prefetch.when_done(lambda: share.settle() if prefetch.whole() else share.let_go())
-    return EarlyReads(ckpt.files, budget, disk=disk).start(after, PREFETCH_WAIT_S)
+    plan = None
+    if config.tp_size > 1:
+        plan = functools.partial(tpshare.own_chunks, ckpt, rules if rules is not None else
+                                 parse_rules(config.shard_rules), config.tp_size,
+                                 config.tp_rank, config.dtype)
+    return EarlyReads(ckpt.files, budget, disk=disk, plan=plan).start(after, PREFETCH_WAIT_S)
 
 
 PREFETCH_WAIT_S = 3.0  # the early reads wait at most this long for the import set

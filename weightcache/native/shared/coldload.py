@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import cgroups, loadenv
+from . import cgroups, loadenv, tpshare
 from .content import CHUNK_BYTES, ChunkSink, ContentError, FileIdentity
 from .diskshare import DiskShare, for_load, idle_io_priority
 from .earlyread import (
@@ -59,6 +59,7 @@ from .earlyread import (
     cover_spans,
     grid_span,
     read_fully,
+    share_spans,
     span_of,
 )
 from .residency import resident
@@ -159,22 +160,11 @@ class LoadStats:
 
 
 def raw_range(entry: Any) -> tuple[int, int] | None:
-    """(file offset, nbytes) when the entry's arena bytes are a plain byte range of the file."""
+    """(file offset, nbytes) when the entry's arena bytes are a plain byte range of the file
+    (`tpshare.byte_range`, the rule the early reads of a tensor-parallel rank apply too)."""
     src = entry.source
-    if entry.dtype != src.dtype:
-        return None
-    spec = entry.spec
-    if spec.dim is None:
-        return src.offset, src.nbytes
-    outer = 1
-    for d in src.shape[: spec.dim]:
-        outer *= d
-    if outer != 1:
-        return None
-    inner = src.dtype.itemsize
-    for d in src.shape[spec.dim + 1 :]:
-        inner *= d
-    return src.offset + spec.start * inner, spec.length * inner
+    return tpshare.byte_range(src.offset, src.nbytes, src.shape, src.itemsize,
+                              entry.spec, entry.dtype != src.dtype)
 
 
 def read_ranges(entries: list[Any]) -> dict[Path, list[tuple[int, int]]]:
@@ -195,18 +185,20 @@ def share_chunks(entries: list[Any]) -> dict[Path, set[int]]:
     for path, ranges in read_ranges(entries).items():
         chunks = out.setdefault(path, set())
         for offset, nbytes in ranges:
-            chunks.update(range(offset // CHUNK_BYTES, (offset + nbytes - 1) // CHUNK_BYTES + 1))
+            chunks.update(tpshare.chunks(offset, nbytes))
     return out
 
 
 def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = None,
-              share: dict[Path, set[int]] | None = None) -> list[Job]:
+              share: dict[Path, set[int]] | None = None,
+              own: dict[Path, set[int]] | None = None) -> list[Job]:
     """Split the layout into jobs of at most `chunk` bytes of contiguous file data each.
 
     Direct copies are grouped by file and file order, so reads stay sequential; each staged
     (converted) tensor is one job, read in chunks by one thread. Files in `cover` (path ->
     size) are read whole, in jobs that start and end on the content chunk grid (`_cover`);
-    with `share`, only those chunks of them.
+    with `share`, only those chunks of them, cut apart where `own` begins or ends (the chunks
+    no other tensor-parallel rank reads: the early reads take those jobs, earlyread.py).
     """
     jobs: list[Job] = []
     by_file: dict[Path, list[Piece]] = {}
@@ -222,7 +214,8 @@ def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = No
         by_file.setdefault(Path(entry.source.file), []).append(Piece(offset, nbytes, entry.offset))
     for path, size in sorted((cover or {}).items()):
         chunks = None if share is None else share.get(path, set())
-        jobs.extend(_cover(path, size, by_file.pop(path, []), chunk, chunks))
+        mine = None if own is None else own.get(path, set())
+        jobs.extend(_cover(path, size, by_file.pop(path, []), chunk, chunks, mine))
     # Files in name order, each front to back: the order the early reads read them in.
     for path, pieces in sorted(by_file.items()):
         pieces.sort(key=lambda p: p.file_offset)
@@ -243,23 +236,12 @@ def plan_jobs(entries: list[Any], chunk: int, cover: dict[Path, int] | None = No
 
 
 def _cover(path: Path, size: int, pieces: list[Piece], chunk: int,
-           chunks: set[int] | None = None) -> list[Job]:
+           chunks: set[int] | None = None, own: set[int] | None = None) -> list[Job]:
     """Jobs reading [0, size) (or its `chunks`) on the chunk grid, with the pieces they hold."""
     span = grid_span(chunk)
     pieces = sorted(pieces, key=lambda p: p.file_offset)
-    if chunks is None:
-        jobs = [Job(path, start, end, digest=True) for start, end in cover_spans(size, span)]
-        return _assign(jobs, pieces)
-    runs: list[tuple[int, int]] = []  # maximal runs of consecutive chunks, as byte ranges
-    for index in sorted(chunks):
-        lo = index * CHUNK_BYTES
-        if runs and runs[-1][1] == lo:
-            runs[-1] = (runs[-1][0], lo + CHUNK_BYTES)
-        else:
-            runs.append((lo, lo + CHUNK_BYTES))
-    jobs = [Job(path, start, min(size, start + span, hi), digest=True)
-            for lo, hi in runs for start in range(lo, min(hi, max(size, 1)), span)]
-    return _assign(jobs, pieces)
+    spans = cover_spans(size, span) if chunks is None else share_spans(size, span, chunks, own)
+    return _assign([Job(path, start, end, digest=True) for start, end in spans], pieces)
 
 
 def _assign(jobs: list[Job], pieces: list[Piece]) -> list[Job]:
@@ -560,10 +542,10 @@ def load_entries(
     are queued to the device. With `digest`
     (the checkpoint's files), those files are read whole and `stats.record` is their content
     record, from the same pass; with `share`, only the chunks the entries read (a
-    tensor-parallel rank's share, `share_chunks`). With `early` (whole files only), the jobs
-    it holds come from its memory. The direct reads yield to programs starting beside the
-    load (`disk`, else the early reads' share, else one of its own: diskshare.py).
-    Raises ContentError when a file changed
+    tensor-parallel rank's share, `share_chunks`). With `early` (and `digest`), the jobs it
+    holds come from its memory: whole files' jobs, or a tensor-parallel rank's (tpshare.py).
+    The direct reads yield to programs starting beside the load (`disk`, else the early
+    reads' share, else one of its own: diskshare.py). Raises ContentError when a file changed
     under the load; an exception in the caller's thread (a signal's) stops every reader
     before it propagates.
     Returns what was moved and how fast.
@@ -592,7 +574,7 @@ def load_entries(
         threads = threads or loadenv.threads(default)
         if early is not None:
             early.accept({p: FileIdentity.of(os.fstat(fd)) for p, fd in opened.items()}
-                         if sink is not None and sink.coverage is None else {})
+                         if sink is not None else {})
         stats = _load(entries, flat, threads, chunk, mode, progress, sink, opened, early, idle,
                       disk)
         if disk is not None:
@@ -655,7 +637,8 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
     jobs = plan_jobs(entries, span_of(chunk), cover,
-                     None if sink is None or sink.coverage is None else sink.coverage)
+                     None if sink is None or sink.coverage is None else sink.coverage,
+                     early.own if early is not None else None)
     # Buffers as large as the largest read (small loads need small ones; a digested job
     # spans whole content chunks).
     largest = max((j.end - j.start if j.entry is None else min(j.end - j.start, span_of(chunk))

@@ -81,6 +81,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,6 +162,24 @@ def cover_spans(size: int, span: int) -> list[tuple[int, int]]:
     return [(start, min(size, start + span)) for start in range(0, max(size, 1), span)]
 
 
+def share_spans(size: int, span: int, chunks: set[int],
+                own: set[int] | None = None) -> list[tuple[int, int]]:
+    """The jobs [start, end) that read `chunks` of a file of `size` bytes: each maximal run of
+    consecutive chunks, all in `own` or all outside it, cut into spans from its start. A
+    tensor-parallel rank's fill (`coldload._cover`) and its early reads cut with this one
+    function, with the same `own` (the chunks only this rank reads, tpshare.py): so a job is
+    wholly the rank's own or wholly shared, and the early reads can take every own one."""
+    runs: list[list[int]] = []  # [start, end, own] of each run, as byte ranges
+    for index in sorted(chunks):
+        lo, mine = index * CHUNK_BYTES, int(own is not None and index in own)
+        if runs and runs[-1][1] == lo and runs[-1][2] == mine:
+            runs[-1][1] = lo + CHUNK_BYTES
+        else:
+            runs.append([lo, lo + CHUNK_BYTES, mine])
+    return [(start, min(size, start + span, hi))
+            for lo, hi, _ in runs for start in range(lo, min(hi, max(size, 1)), span)]
+
+
 def default_budget(local_ranks: int = 1) -> int:
     """`WEIGHTCACHE_LOAD_EARLY_MIB`, else a quarter of the memory this process may still take
     (the node's, capped by its container's limit: cgroups.py), shared by the node's ranks, at
@@ -184,11 +203,16 @@ class _Job:
 
 
 class EarlyReads:
-    """The first `budget` bytes of `files` (name order, each front to back) in host memory."""
+    """The first `budget` bytes of `files` (name order, each front to back) in host memory;
+    for a tensor-parallel rank (`share`, `own`: tpshare.py), of the fill's jobs that only it
+    reads."""
 
     def __init__(self, files: list[Path | str], budget: int, *, chunk: int | None = None,
                  threads: int | None = None, direct: bool | str = "auto",
-                 disk: DiskShare | None = None) -> None:
+                 disk: DiskShare | None = None, share: dict[Path, set[int]] | None = None,
+                 own: dict[Path, set[int]] | None = None,
+                 plan: Callable[[], tuple[dict[Path, set[int]], dict[Path, set[int]]]] | None
+                 = None) -> None:
         # The disk's share (diskshare.py): the early reads and then the fill yield to the
         # rank's own import and to any other program starting; close() stops it.
         self.disk = disk
@@ -223,7 +247,19 @@ class EarlyReads:
         # first read was asked for and the first landed: the start's disk-idle time ends here.
         self.first_read_at: float | None = None
         self.first_landed_at: float | None = None
-        self._unopened = deque(sorted(Path(p) for p in files))
+        # A tensor-parallel rank (tpshare.py): the fill reads `share`'s chunks of each file, in
+        # jobs cut by share_spans; the early reads take those jobs made of `own` chunks only
+        # (no other rank reads them), and open no file without one. `plan` computes the two
+        # on the opener's thread (a large checkpoint's take a second of Python for TP 8: not
+        # on the rank's main thread, which goes on to its import); `own` waits for it.
+        self._share = None if share is None else {Path(p): c for p, c in share.items()}
+        self._own = None if own is None else {Path(p): c for p, c in own.items()}
+        self._plan = plan
+        self._planned = threading.Event()
+        if plan is None:
+            self._planned.set()
+        self._unopened = deque(sorted(
+            Path(p) for p in files if self._own is None or self._own.get(Path(p))))
         self._budget = budget  # asked for
         self.budget = 0  # the bytes of the jobs cut so far
         self._maps: list[mmap.mmap] = []  # one per file, for its jobs
@@ -240,8 +276,11 @@ class EarlyReads:
         """Open the files in name order, each file's identity taken before its first read,
         and cut each one's jobs within the budget as soon as it is open. A file that cannot be
         opened or mapped is left to the fill (which says why); so is every file once the fill
-        began (`accept`) or the reads stop."""
+        began (`accept`) or the reads stop. A tensor-parallel rank's `plan` comes first: a
+        plan that fails (a rule that does not divide a tensor: the fill says so) reads
+        nothing early."""
         try:
+            self._make_plan()
             while True:
                 with self._lock:
                     if (not self._unopened or not self._cutting or self._stop.is_set()
@@ -267,7 +306,7 @@ class EarlyReads:
         to the readers at once (or the file closed, if the fill began meanwhile)."""
         spans: list[tuple[int, int, int]] = []
         room, left = 0, self._budget - self.budget  # only the opener cuts
-        for start, end in cover_spans(ident.size, self.span):
+        for start, end in self._spans(path, ident.size):
             size = (end - start) + (-(end - start)) % PAGE + PAGE
             if room + size > left:
                 break
@@ -294,6 +333,39 @@ class EarlyReads:
             self.budget += room
             self._lock.notify_all()
 
+    def _make_plan(self) -> None:
+        if self._plan is None or self._planned.is_set():
+            return
+        try:
+            try:
+                share, own = self._plan()
+            except Exception:  # the fill plans again and says what is wrong
+                share, own = {}, {}
+            with self._lock:
+                self._share = {Path(p): c for p, c in share.items()}
+                self._own = {Path(p): c for p, c in own.items() if c}
+                self._unopened = deque(p for p in self._unopened if p in self._own)
+        finally:
+            self._planned.set()
+
+    def _spans(self, path: Path, size: int) -> list[tuple[int, int]]:
+        """The fill's jobs of `path` these reads may take: every one, or a tensor-parallel
+        rank's jobs of its own chunks (share_spans cuts those apart from the shared ones)."""
+        if self._share is None or self._own is None:
+            return cover_spans(size, self.span)
+        own = self._own.get(path, set())
+        return [(start, end) for start, end in share_spans(size, self.span,
+                                                           self._share.get(path, set()), own)
+                if end > start and start // CHUNK_BYTES in own]
+
+    @property
+    def own(self) -> dict[Path, set[int]] | None:
+        """A tensor-parallel rank's own chunks, per file: the fill cuts its jobs with them
+        (once the opener made the plan; a stop before it leaves none)."""
+        self._ready()
+        self._planned.wait()
+        return self._own
+
     def _ready(self) -> None:
         """Never started (a tool's or a test's use): the files are opened here, at once.
         Started, nothing waits for the opener: a job it has not cut yet is the fill's."""
@@ -318,9 +390,13 @@ class EarlyReads:
         # Thread 0 opens the files (first: the helper starts threads in order); the others
         # read. A pool whose gate closed before the opener ran still marks the files opened.
         self._pool = Pool(self._work, self.threads + 1, "early", daemon=True,
-                          on_last=self._opened.set)
+                          on_last=self._pool_ended)
         self._pool.start(background=True)
         return self
+
+    def _pool_ended(self) -> None:
+        self._planned.set()  # a plan never made (the pool stopped first) is no plan
+        self._opened.set()
 
     def _claim(self, index: int) -> list[_Job]:
         """The next job to read, with the jobs that follow it in its file while the rank
@@ -507,9 +583,8 @@ class EarlyReads:
         (module docstring; with `beside_fill()` false, no new early read starts from now
         on, and those in flight land beside the fill); `seconds` is the time until now. A
         file the fill refused is read no further here. An empty `identities` (a fill that
-        digests only a share of the chunks) refuses every file: then nothing more is read
-        early. No file is opened early from now on: the jobs the opener had not cut are
-        the fill's."""
+        digests nothing) refuses every file: then nothing more is read early. No file is opened
+        early from now on: the jobs the opener had not cut are the fill's."""
         self._ready()
         with self._lock:
             if not self._accepted and not self._stop.is_set() and self.started:
