@@ -185,3 +185,22 @@ def test_tensor_parallel_cpu_ranks_read_their_own_chunks_while_they_start(tmp_pa
             assert early["read_bytes"] + early["resident_bytes"] > 0
         p.stop()
     assert served["auto"] == served["0"] and len(set(served["0"])) == 2
+
+
+def test_a_plan_that_fails_reads_nothing_early_and_leaves_the_fill_whole(model):
+    """A rule that does not divide a tensor fails the plan on the early reads' thread: nothing
+    is read early, and the fill (which raises the rule's error itself when it plans) is not
+    held up by it."""
+    ckpt = open_checkpoint(model)
+
+    def plan():
+        raise ValueError("dim 0 of shape [1000] is not divisible by tensor-parallel-size 3")
+
+    early = EarlyReads(ckpt.files, 1 << 40, chunk=CHUNK, threads=2, direct=False,
+                       plan=plan).start()
+    early.join()
+    assert early.own == {} and not early._jobs and early.read_bytes == 0
+    want, plain, _ = _fill(model, 2, 1, None)
+    got, stats, _ = _fill(model, 2, 1, early)
+    assert torch.equal(got, want) and stats.record == plain.record and stats.early_bytes == 0
+    early.close()
