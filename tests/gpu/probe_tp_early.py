@@ -1,12 +1,13 @@
-"""READY of a tensor-parallel CPU preload with the checkpoint cold: the ranks' early reads on
-(`WEIGHTCACHE_LOAD_EARLY_MIB=auto`, the default) against off (`0`, what a tensor-parallel
+"""Probe: READY of a tensor-parallel preload with the checkpoint cold, the ranks' early reads
+on (`WEIGHTCACHE_LOAD_EARLY_MIB=auto`, the default) against off (`0`, what a tensor-parallel
 rank did before: it read nothing until its layout, and torch, were up), in turn.
 
-    .venv/bin/python docs/results/cpu-2026-12-06-tpearly/probe_tp_early.py [TP] [ROUNDS] [GB]
+    python3 tests/gpu/probe_tp_early.py DEVICE [TP] [ROUNDS] [GB]
 
-Writes a Llama-shaped `save_pretrained`-like checkpoint of about GB (default 3) in a temporary
-directory, evicts its files from the page cache before each start (posix_fadvise DONTNEED;
-the libraries stay in memory), and prints one JSON line per start and a summary.
+DEVICE is cpu (memfd arenas) or cuda (TP GPUs). Writes a Llama-shaped checkpoint of about GB
+(default 3) in PROBE_DIR (default /var/tmp), evicts its files from the page cache before each
+start (posix_fadvise DONTNEED; the libraries stay in memory), and prints one JSON line per
+start and a summary (PROBE_OUT: the whole report as JSON).
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ from weightcache.native.shared.coldload import drop_page_cache
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 from weightcache.testing.processes import Preload
 
-tp = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-gb = float(sys.argv[3]) if len(sys.argv) > 3 else 3.0
+device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+tp = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+gb = float(sys.argv[4]) if len(sys.argv) > 4 else 3.0
 layers = max(1, round(gb * 1e9 / (2 * (4 * 2048 * 2048 + 3 * 2048 * 5632))))
 shape = LlamaShape(hidden=2048, layers=layers, intermediate=5632, vocab=32000, heads=16,
                    kv_heads=16)
-with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+with tempfile.TemporaryDirectory(dir=os.environ.get("PROBE_DIR", "/var/tmp")) as tmp:
     model = write_llama_checkpoint(Path(tmp) / "m", shape, files=4)
     files = open_checkpoint(model).files
     size = sum(f.stat().st_size for f in files)
-    print(json.dumps({"tp": tp, "bytes": size, "files": len(files), "layers": layers}), flush=True)
+    print(json.dumps({"device": device, "tp": tp, "bytes": size, "files": len(files),
+                      "layers": layers}), flush=True)
     rows = []
     for r in range(rounds):
         for budget in ("auto", "0") if r % 2 == 0 else ("0", "auto"):
@@ -42,7 +45,7 @@ with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
             sock.mkdir(mode=0o700)
             t = time.monotonic()
             p = Preload(["--model", str(model), "--weight-cache-socket-dir", str(sock),
-                         "--tensor-parallel-size", str(tp)],
+                         "--tensor-parallel-size", str(tp), "--device", device],
                         env={**os.environ, "WEIGHTCACHE_LOAD_EARLY_MIB": budget})
             ready = p.wait_ready(600)
             wall = time.monotonic() - t
@@ -64,3 +67,5 @@ with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
     summary["off_over_on"] = round(summary["early_0_median_wall_s"]
                                    / summary["early_auto_median_wall_s"], 3)
     print(json.dumps(summary), flush=True)
+    if out := os.environ.get("PROBE_OUT"):
+        Path(out).write_text(json.dumps({"rows": rows, **summary}, indent=2))
