@@ -183,6 +183,8 @@ def test_tensor_parallel_cpu_ranks_read_their_own_chunks_while_they_start(tmp_pa
             # Every early job was a fill job the fill took (read or found resident).
             assert loader["early_bytes"] == early["taken_bytes"] == early["read_bytes"]
             assert early["read_bytes"] + early["resident_bytes"] > 0
+            if early["read_bytes"]:  # ... while the rank started: before torch was imported
+                assert early["first_read_at"] < rank["marks"]["imported"]
         p.stop()
     assert served["auto"] == served["0"] and len(set(served["0"])) == 2
 
