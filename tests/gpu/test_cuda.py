@@ -243,6 +243,39 @@ def test_coldload_into_cuda_takes_early_reads(small_model, budget_chunks):
                            want[e.offset : e.offset + e.nbytes]), e.name
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_coldload_into_cuda_takes_a_tensor_parallel_ranks_early_reads(medium_model, tp):
+    """A tensor-parallel rank's early jobs (its own chunks, planned from the headers:
+    tpshare.py) reach the device through the pinned buffers: same bytes and same record as a
+    fill that reads them itself. One GPU holds each rank's arena in turn."""
+    from weightcache.native.shared import tpshare
+    from weightcache.native.shared.coldload import share_chunks
+    from weightcache.native.shared.earlyread import EarlyReads
+
+    ckpt = open_checkpoint(medium_model)
+    rules = parse_rules(None)
+    for rank in range(tp):
+        layout = plan_layout(ckpt, rules=rules, tp_size=tp, tp_rank=rank)
+        want = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        plain = coldload.load_entries(list(layout.entries), want, threads=4, chunk=4 * MiB,
+                                      direct=False, digest=list(ckpt.files), share=True)
+        early = EarlyReads(ckpt.files, 1 << 40, chunk=4 * MiB, threads=2, direct=False,
+                           plan=lambda r=rank: tpshare.own_chunks(ckpt, rules, tp, r)).start()
+        early.join()
+        assert early.own and early.own.keys() <= share_chunks(layout.entries).keys()
+        got = torch.full((layout.nbytes,), 0xA5, dtype=torch.uint8, device=DEV)
+        stats = coldload.load_entries(list(layout.entries), got, threads=4, chunk=4 * MiB,
+                                      direct=False, digest=list(ckpt.files), share=True,
+                                      early=early)
+        assert stats.early_bytes == early.taken_bytes == early.read_bytes > 0
+        assert stats.record == plain.record
+        early.close()
+        got = got.cpu()
+        for e in layout.entries:
+            assert torch.equal(got[e.offset : e.offset + e.nbytes],
+                               want[e.offset : e.offset + e.nbytes]), e.name
+
+
 @pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
 @pytest.mark.parametrize("mode", ["zero_copy", "copy"])
 def test_daemon_serves_and_client_attaches(daemon_factory, medium_model, transport, mode):
