@@ -6,11 +6,15 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from weightcache.testing import ports
 
 
 def test_ports_come_from_below_the_range_the_kernel_hands_out_itself():
     low, high = ports.ephemeral_range()
+    if not ports.pool(None, (low, high)):
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it on this machine")
     picked = [ports.free_port() for _ in range(200)]
     assert len(set(picked)) == len(picked)
     assert all(ports.LOWEST <= p < low for p in picked), (low, high, picked[:5])
