@@ -65,7 +65,7 @@ def converts(tag: str, dtype: str) -> bool:
 
 
 def _parts(ckpt: Checkpoint, rules: list[ShardRule], tp_size: int, dtype: str
-           ) -> Iterator[tuple[Path, tuple[int, int] | None, int]]:
+           ) -> Iterator[tuple[Path, tuple[int, int], int]]:
     """Per tensor the plan reads: (file, rank 0's byte range, step): rank r reads [offset +
     r * step, + step) where the part is a plain byte range of the file; (file, the whole
     tensor's range, 0) where every rank reads the whole tensor (replicated, split along an
