@@ -99,6 +99,40 @@ def test_any_hash_piece_gives_the_same_arena_and_record(tmp_path, monkeypatch, m
     assert stats.hash_seconds > 0  # hashed by the readers, from their own reads
 
 
+def test_the_hash_piece_follows_the_readers_that_take_turns(tmp_path, monkeypatch):
+    """A fill whose CPU work runs in many readers hashes page-cache reads in 16 MiB pieces (their
+    turns at the GIL dominate), a fill of few readers in 4 MiB (the piece still in the CPU's
+    cache); the knob sets either; the arena and the record are the same whatever the piece."""
+    from safetensors.torch import save_file
+
+    from weightcache.native.shared import cgroups, coldload
+    from weightcache.native.shared.coldload import load_entries
+
+    monkeypatch.delenv("WEIGHTCACHE_LOAD_HOT_STEP_MIB", raising=False)
+    assert coldload.hot_step(1) == coldload.hot_step(coldload.WIDE_SLOTS - 1) == 4 << 20
+    assert coldload.hot_step(coldload.WIDE_SLOTS) == coldload.hot_step(64) == 16 << 20
+    monkeypatch.setenv("WEIGHTCACHE_LOAD_HOT_STEP_MIB", "2")
+    assert coldload.hot_step(1) == coldload.hot_step(64) == 2 << 20
+    monkeypatch.delenv("WEIGHTCACHE_LOAD_HOT_STEP_MIB")
+
+    g = torch.Generator().manual_seed(2)
+    save_file({"a": torch.randint(0, 255, (40, 1 << 20), dtype=torch.uint8, generator=g)},
+              str(tmp_path / "model.safetensors"))
+    ckpt, lay = _layout(tmp_path)
+    want = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    load_into_arena(lay, want)
+    pieces = {}
+    for cpus in (2, 16):  # the machine's CPUs as its cgroup allows them
+        monkeypatch.setattr(cgroups, "usable_cpus", lambda n=cpus: n)
+        flat = torch.zeros(lay.nbytes, dtype=torch.uint8)
+        stats = load_entries(list(lay.entries), flat, threads=16, chunk=4 << 20,
+                             direct=False, digest=list(ckpt.files))  # 10 reads: 10 readers
+        assert torch.equal(flat, want)
+        assert stats.record == content.digest_files(ckpt.files)
+        pieces[cpus] = stats.as_dict()["hot_step_mib"]
+    assert pieces == {2: 4, 16: 16}
+
+
 def test_a_claim_of_another_hash_or_an_old_client_is_refused(model):
     ckpt, _ = _layout(model)
     record = content.digest_files(ckpt.files)

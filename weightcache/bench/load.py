@@ -42,7 +42,8 @@ with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
 against the warm default of one per core), hotstep (the warm preload with the fill's hash
-pieces of 16 MiB and of 4 MiB, the default, in turn, twice: `WEIGHTCACHE_LOAD_HOT_STEP_MIB`),
+pieces of 16 MiB and of 4 MiB, in turn, twice: `WEIGHTCACHE_LOAD_HOT_STEP_MIB`; the default
+is 16 from 8 CPU slots up),
 plainprefetch (READY with every cache dropped
 again, the rank's import set read ahead the earlier way: 8 readers, one read at a time, no
 lookups; `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain`), stopearly (READY with the model cold

@@ -74,14 +74,20 @@ DEFAULT_THREADS = 32
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
 # Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
 # cache still holds it (`WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets another). Four content chunks:
-# 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Measured warm
-# into a GPU with 16 readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as
-# fast as 4 MiB (10.2-10.6 against 19.3-20.0 GB/s: four times the `pread` calls and their
-# turns at the GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB +3%;
-# on the 2-core development machine (AMD, 32 MiB of L3) 16 MiB ran 10-12% slower than 4 and
-# 1 MiB the same. So 4 MiB stays the default until READY itself measures the difference
-# (`weightcache bench load`'s `hotstep` part); docs/results/cpu-2026-12-06-hotstep.
+# 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Which piece
+# is fastest depends on how many readers take turns at the GIL. Measured warm into a GPU with
+# 16 readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as fast as 4 MiB
+# (10.2-10.6 against 19.3-20.0 GB/s: four times the `pread` calls and their turns at the
+# GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB +3%; on the
+# 2-core development machine (AMD, 32 MiB of L3; 2 readers, so few turns) 16 MiB ran 10-12%
+# slower than 4 (the piece no longer in the cache when its hash reads it) and 1 MiB the same
+# (docs/results/cpu-2026-12-06-hotstep). So a fill with WIDE_SLOTS or more CPU slots hashes
+# in HOT_STEP_WIDE pieces, a smaller one in HOT_STEP (`hot_step`); the threshold lies between
+# the two machines measured. `weightcache bench load`'s `hotstep` part measures READY with 16
+# and 4 MiB in turn.
 HOT_STEP = 4 * CHUNK_BYTES
+HOT_STEP_WIDE = 16 * CHUNK_BYTES
+WIDE_SLOTS = 8
 # The CPU's work (page-cache copies, early-read copies, hashing) runs in at most this many
 # readers at once: the disk wants 32 reads in flight, the CPU no more workers than cores (on
 # the H200 host, 32 readers copying and hashing from the page cache ran 14.2 GB/s, 16 ran
@@ -507,10 +513,11 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
         del staged
 
 
-def hot_step() -> int:
-    """The piece a page-cache read is hashed in (HOT_STEP, `WEIGHTCACHE_LOAD_HOT_STEP_MIB`), in
-    whole content chunks."""
-    step = loadenv.hot_step(HOT_STEP)
+def hot_step(slots: int = 1) -> int:
+    """The piece a page-cache read is hashed in, in whole content chunks: for a fill whose CPU
+    work runs in `slots` readers at once, HOT_STEP_WIDE from WIDE_SLOTS up, else HOT_STEP;
+    `WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets it for any."""
+    step = loadenv.hot_step(HOT_STEP_WIDE if slots >= WIDE_SLOTS else HOT_STEP)
     return max(CHUNK_BYTES, step - step % CHUNK_BYTES)
 
 
@@ -633,7 +640,7 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
           progress: Callable[[int], None] | None, sink: ChunkSink | None,
           opened: dict[Path, int], early: EarlyReads | None = None, idle: bool = False,
           disk: DiskShare | None = None) -> LoadStats:
-    stats = LoadStats(threads=threads, chunk=chunk, direct=mode, hot_step=hot_step())
+    stats = LoadStats(threads=threads, chunk=chunk, direct=mode)
     stats.nbytes = sum(e.nbytes for e in entries)
     cover = {p: i.size for p, i in sink.identities.items()} if sink is not None else None
     jobs = plan_jobs(entries, span_of(chunk), cover,
@@ -658,7 +665,9 @@ def _load(entries: list[Any], flat: torch.Tensor, threads: int, chunk: int, mode
     readers: list[_Reader] = []
     lock = threading.Lock()
     device = flat.device
-    cpu = threading.Semaphore(cpu_slots(count))
+    slots = cpu_slots(count)
+    cpu = threading.Semaphore(slots)
+    stats.hot_step = hot_step(slots)
 
     def worker(_: int) -> None:
         reader = None
