@@ -70,6 +70,20 @@ def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
     return json.loads(out.read_text())["layouts"][layout]
 
 
+def test_lean_hotstep_runs_the_warm_steps_alone(tmp_path):
+    """`lean,hotstep`: the warm fill's A/B as a short GPU call: the warm baselines and READYs,
+    each hash piece reaching the rank, and no cold step (no device read, no cold READY)."""
+    layout = _smoke_load(tmp_path, "lean,hotstep", "sharded")
+    summary = layout["summary"]
+    assert not [k for k in layout if "cold" in k], sorted(layout)
+    assert layout["load_file_warm"]["seconds"] > 0 and summary["preload_warm_ready_s"] > 0
+    for mib in (16, 4):
+        for suffix in ("", "_again"):
+            key = f"preload_warm_hot_step{mib}{suffix}"
+            assert layout[key]["ready"]["rank_loads"][0]["loader"]["hot_step_mib"] == mib
+            assert summary[f"{key}_rank_gb_per_s"] > 0
+
+
 def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_at_smoke_size(
         tmp_path):
     """`census` (READY after an engine's cold start, with and without the import set's warm

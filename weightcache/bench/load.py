@@ -68,7 +68,8 @@ agent image carries, `weightcache import-set record` run in a fresh process, nam
 no set, with the seed, and with the node's own set, twice in turn), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
 short GPU call for a comparison; before them, where the node has no import set yet, one READY
-that writes it).
+that writes it; with hotstep: only the warm steps, their baselines and hotstep's READYs, no
+cold step at all).
 """
 
 from __future__ import annotations
@@ -663,6 +664,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     # call's minutes for the comparison itself).
     lean = "lean" in parts
     full = kind == "sharded" and not lean  # warm preload, cat and the grid on the main layout
+    if lean and "hotstep" in parts:  # the warm fill's A/B alone: a GPU call's minute for it
+        _warm_steps(r, kind, model_dir, files, parts)
+        return _attach_restart_summary(r, kind, model_dir, files, parts)
     if full:
         drop(files)
         r["cat_cold"] = _safe("cat cold", cat_read, files)
