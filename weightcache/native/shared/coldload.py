@@ -72,19 +72,18 @@ MiB = 1 << 20
 DEFAULT_THREADS = 32
 # The read size (loadenv.DEFAULT_CHUNK, 16 MiB): a power of two matches torch's pinned-memory size
 # classes; 32 x 2 x 16 MiB = 1 GiB pinned. MAX_OPEN_PER_THREAD: descriptors a reader keeps open.
-# Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's
-# cache still holds it (`WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets another). Four content chunks:
-# 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Which piece
-# is fastest depends on how many readers take turns at the GIL. Measured warm into a GPU with
-# 16 readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as fast as 4 MiB
-# (10.2-10.6 against 19.3-20.0 GB/s: four times the `pread` calls and their turns at the
-# GIL), 16 MiB 11-14% faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB +3%; on the
-# 2-core development machine (AMD, 32 MiB of L3; 2 readers, so few turns) 16 MiB ran 10-12%
-# slower than 4 (the piece no longer in the cache when its hash reads it) and 1 MiB the same
-# (docs/results/cpu-2026-12-06-hotstep). So a fill with WIDE_SLOTS or more CPU slots hashes
-# in HOT_STEP_WIDE pieces, a smaller one in HOT_STEP (`hot_step`); the threshold lies between
-# the two machines measured. `weightcache bench load`'s `hotstep` part measures READY with 16
-# and 4 MiB in turn.
+# Page-cache reads and early-read copies are hashed in pieces this size, each while the CPU's cache
+# still holds it (`WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets another). HOT_STEP is four content chunks:
+# 1 MiB when it was written (chunks were 256 KiB), 4 MiB since chunks are 1 MiB. Which piece is
+# fastest depends on how many readers take turns at the GIL. Measured warm into a GPU with 16
+# readers on an H100 VM (Xeon, 300 MiB of L3): 1 MiB pieces ran half as fast as 4 MiB (10.2-10.6
+# against 19.3-20.0 GB/s: four times the `pread` calls and their turns at the GIL), 16 MiB 11-14%
+# faster than 4 (22.6 / 23.8 against 19.8 / 21.4), 8 MiB +3%; on the 2-core development machine
+# (AMD, 32 MiB of L3; 2 readers, so few turns) 16 MiB ran 10-12% slower than 4 (the piece no longer
+# in the cache when its hash reads it) and 1 MiB the same (docs/results/cpu-2026-12-06-hotstep). So
+# a fill with WIDE_SLOTS or more CPU slots hashes in HOT_STEP_WIDE pieces, a smaller one in HOT_STEP
+# (`hot_step`); the threshold lies between the two machines measured. `weightcache bench load`'s
+# `hotstep` part measures READY with 16 and 4 MiB in turn.
 HOT_STEP = 4 * CHUNK_BYTES
 HOT_STEP_WIDE = 16 * CHUNK_BYTES
 WIDE_SLOTS = 8
@@ -278,7 +277,7 @@ class _Reader:
         self.disk = disk  # the direct reads yield to other readers of the disk (diskshare)
         self.chunk = chunk
         self.span = span_of(chunk)  # file bytes per read; alignment slack fits in `chunk`
-        self.hot_step = hot_step  # whole content chunks (hot_step()): a piece's hash starts on one
+        self.hot_step = hot_step  # whole content chunks (hot_step): a piece's hash starts on one
         self.mode = direct  # True, False or "auto" (per range, by page-cache residency)
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
@@ -513,7 +512,7 @@ def _run_job(reader: _Reader, job: Job, flat: torch.Tensor, sink: ChunkSink | No
         del staged
 
 
-def hot_step(slots: int = 1) -> int:
+def hot_step(slots: int) -> int:
     """The piece a page-cache read is hashed in, in whole content chunks: for a fill whose CPU
     work runs in `slots` readers at once, HOT_STEP_WIDE from WIDE_SLOTS up, else HOT_STEP;
     `WEIGHTCACHE_LOAD_HOT_STEP_MIB` sets it for any."""

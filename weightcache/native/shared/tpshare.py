@@ -96,8 +96,6 @@ def own_chunks(ckpt: Checkpoint, rules: list[ShardRule], tp_size: int, tp_rank: 
     mine: dict[Path, set[int]] = {}
     others: dict[Path, set[int]] = {}
     for path, (offset, nbytes), step in _parts(ckpt, rules, tp_size, dtype):
-        if nbytes <= 0:
-            continue
         if not step:  # every rank reads these bytes
             found = chunks(offset, nbytes)
             mine.setdefault(path, set()).update(found)
