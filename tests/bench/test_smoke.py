@@ -55,6 +55,27 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
             abs=1e-3), summary
 
 
+def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
+    """`restart`'s `holdab` part: the fresh node's cache path with the growing hold (the
+    default) and the fixed one, each READY's share saying which it ran with."""
+    out = tmp_path / "restart.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_RESTART_OUT": str(out),
+           "WEIGHTCACHE_BENCH_RESTART_PARTS": "holdab"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke",
+         "restart"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert "fresh_node" not in report and "restart_compile" not in report
+    summary = report["hold_ab"]["summary"]
+    assert set(summary) == {"default_1", "fixed_hold_1"}, summary
+    assert summary["default_1"]["hold_max"] == 3.0, summary
+    assert summary["fixed_hold_1"]["hold_max"] == 1.0, summary
+    for row in summary.values():
+        assert row["weights_from"] == "cache" and row["first_logits_s"] > 0, summary
+        assert row["daemon_ready_s"] > 0 and row["engine_imports_s"] > 0, summary
+
+
 def _smoke_load(tmp_path, parts: str, layout: str) -> dict:
     """`weightcache bench --device cpu --smoke load` with these parts on one layout: its
     report's entry for the layout."""
@@ -82,6 +103,17 @@ def test_lean_hotstep_runs_the_warm_steps_alone(tmp_path):
             key = f"preload_warm_hot_step{mib}{suffix}"
             assert layout[key]["ready"]["rank_loads"][0]["loader"]["hot_step_mib"] == mib
             assert summary[f"{key}_rank_gb_per_s"] > 0
+
+
+def test_lean_holdab_runs_ready_with_each_hold_in_turn(tmp_path):
+    """`lean,holdab`: READY with every cache dropped with the disk share's fixed hold and its
+    growing one, in turn, twice; each rank's share says which it ran with."""
+    layout = _smoke_load(tmp_path, "lean,holdab", "sharded")
+    summary = layout["summary"]
+    for key, hold_max in (("preload_cold_holdfixed", 1.0), ("preload_cold_holdgrow", 3.0)):
+        for suffix in ("", "_again"):
+            assert summary[f"{key}{suffix}_ready_s"] > 0, sorted(summary)
+            assert summary[f"{key}{suffix}_disk"]["hold_max"] == hold_max
 
 
 def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_at_smoke_size(

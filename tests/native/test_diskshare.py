@@ -224,7 +224,9 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_switches", "gentle_seconds",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
-                         "fault_times", "settled_at", "start_gentle"}
+                         "fault_times", "settled_at", "start_gentle", "hold_max", "longest_hold"}
+    assert disk["hold_max"] == diskshare.HOLD_MAX
+    assert 0 <= disk["longest_hold"] <= diskshare.HOLD_MAX
     assert disk["start_gentle"] == diskshare.START_GENTLE > 0
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
     assert 0 <= disk["own_faults"] <= disk["faults"]
@@ -602,3 +604,54 @@ def test_the_start_gentle_knob_is_lenient_and_bounded(monkeypatch):
                         ("0", 0.0), ("1.25", 1.25)):
         monkeypatch.setenv(loadenv.START_GENTLE_ENV, value)
         assert loadenv.start_gentle(0.5) == want, value
+
+
+def test_a_program_that_keeps_faulting_holds_the_share_longer_than_a_blip(tmp_path):
+    """Another program's faults over a span (an engine starting beside the load, reading files
+    with `read()` between its faults) hold the reads gentle for that span after its last fault,
+    up to `hold_max`; a blip of faults, later, holds only `hold` again. A share with no
+    `hold_max` holds `hold` throughout, as before."""
+    vmstat, stat = _counters(tmp_path, 1000, 0)
+    kw = dict(interval=0.01, window=0.2, hold=0.2, source=vmstat, own=False, own_source=stat,
+              proc=NO_PROC)
+    fixed, growing = DiskShare(**kw).start(), DiskShare(hold_max=1.5, **kw).start()
+    try:
+        assert fixed.watching.wait(30) and growing.watching.wait(30)
+        faults = 1000
+        for _ in range(12):  # a program faulting every 0.1 s for 1.2 s
+            faults += 2
+            _counters(tmp_path, faults, 0)
+            time.sleep(0.1)
+        assert fixed.gentle and growing.gentle
+        assert wait_until(lambda: not fixed.gentle, 5), "the fixed hold never ended"
+        assert growing.gentle, "the growing hold ended with the fixed one"
+        assert wait_until(lambda: not growing.gentle, 5), "the growing hold never ended"
+        assert 1.0 <= growing.stats()["longest_hold"] <= 1.5
+        assert fixed.stats()["longest_hold"] == 0.2
+        time.sleep(1.6)  # quiet for longer than hold_max: the next fault begins an episode
+        _counters(tmp_path, faults + 3, 0)  # a helper's blip
+        assert wait_until(lambda: growing.gentle, 2), "the blip went unseen"
+        blip = time.monotonic()
+        assert wait_until(lambda: not growing.gentle, 5)
+        assert time.monotonic() - blip < 1.2, "a blip after a quiet spell held like the start"
+    finally:
+        fixed.stop()
+        growing.stop()
+
+
+def test_the_hold_max_knob_is_lenient_and_bounded(monkeypatch):
+    """`WEIGHTCACHE_LOAD_HOLD_MAX_S` (for an A/B: 1 is the fixed hold of before): seconds from
+    0 to 60, anything else the default; a share never holds less than its `hold`."""
+    for text, want in (("", 3.0), ("1", 1.0), ("0.5", 0.5), ("61", 3.0), ("-1", 3.0),
+                       ("soon", 3.0)):
+        monkeypatch.setenv(loadenv.HOLD_MAX_ENV, text)
+        assert loadenv.hold_max(3.0) == want
+    assert DiskShare(hold=1.0, hold_max=0.5).hold_max == 1.0
+    assert DiskShare(hold=1.0).hold_max == 1.0
+    monkeypatch.setenv(loadenv.HOLD_MAX_ENV, "2")
+    share, started = diskshare.for_load()
+    try:
+        assert share is None or (started and share.hold_max == 2.0)
+    finally:
+        if share is not None:
+            share.stop()

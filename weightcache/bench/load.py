@@ -61,9 +61,11 @@ with the model cold, the rank's reads gentle for their first half second althoug
 set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the default, full reads
 at once, in turn likewise), groupbeside (READY with the model cold, the early reads 4 jobs
 per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
-default, one job per call once the fill began, in turn likewise), seed (READY with every
-cache dropped as a node's first start again, with no import set of its own but the seed an
-agent image carries, `weightcache import-set record` run in a fresh process, named by
+default, one job per call once the fill began, in turn likewise), holdab (READY with every
+cache dropped, the disk share's fixed hold after another program's faults,
+`WEIGHTCACHE_LOAD_HOLD_MAX_S=1`, and the default growing one, in turn, twice), seed (READY
+with every cache dropped as a node's first start again, with no import set of its own but
+the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
 no set, with the seed, and with the node's own set, twice in turn), and lean
 (only the two device reads, READY with the model cold and the other parts' model-cold A/Bs: a
@@ -683,6 +685,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     r["preload_cold_model"] = _safe("preload, model cold", preload_once, model_dir, files,
                                     "model")
     _model_cold_parts(r, model_dir, files, parts, full, grid)
+    if "holdab" in parts:  # READY with every cache dropped, the disk share's two holds in turn
+        for key, env in HOLD_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, True, env)
     # The device read once more, after the cold steps: one read of a virtual disk varied by
     # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
     # READY is compared with the faster of the two.
@@ -936,6 +941,13 @@ READ_JOBS_READY = _in_turn("onejob", "readjobs", {"WEIGHTCACHE_EARLY_READ_JOBS":
 # share (the default until run50), against the default, full at once (diskshare.py).
 START_GENTLE_READY = _in_turn("gentlestart", "startgentle",
                               {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0.5"})
+# READY with every cache dropped, the disk share's fixed hold of before after another
+# program's faults (`WEIGHTCACHE_LOAD_HOLD_MAX_S=1`) and the growing one (the default,
+# diskshare.HOLD_MAX), in turn, twice.
+HOLD_READY = {"preload_cold_holdfixed": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"},
+              "preload_cold_holdgrow": {},
+              "preload_cold_holdfixed_again": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"},
+              "preload_cold_holdgrow_again": {}}
 # The early reads 64 MiB a call beside the fill too (earlyread.py), against the default, a
 # job (16 MiB) a call once the fill began.
 GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",
@@ -1088,7 +1100,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
-                *START_GENTLE_READY, *GROUP_BESIDE_READY,
+                *START_GENTLE_READY, *GROUP_BESIDE_READY, *HOLD_READY,
                 "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:

@@ -22,7 +22,9 @@ Compile (`WEIGHTCACHE_BENCH_RESTART_COMPILE`): `none`; `dirs` = plain `torch.com
    overlap the daemon's load, it attaches when its rank binds), against the engine alone from
    disk (`disk`, `from_pretrained`) and against today's order (READY first, then the engine),
    page cache dropped before each; the daemon as a node's first start (no import set of its
-   own, the agent image's seed).
+   own, the agent image's seed);
+3. `holdab` (not by default): the fresh node's cache path with the disk share's growing hold
+   after another program's faults and with the fixed hold of before, in turn (`hold_ab`).
 On CUDA the checkpoint is the Llama-3.1-8B shape (WEIGHTCACHE_BENCH_RESTART_MODEL=8b|1b);
 on CPU a small Llama; `--smoke` the tiniest. JSON: WEIGHTCACHE_BENCH_RESTART_OUT.
 The `load` section runs the compile-free restarts too (`restart_figures`).
@@ -320,21 +322,17 @@ def _first_start_env(work: Path) -> tuple[dict[str, str], dict[str, Any]]:
              "WEIGHTCACHE_IMPORT_SET_SEED": str(seed)}, recorded)
 
 
-def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
-    """Time to first logits on a node new to the model: cache path against disk path. The
-    daemon starts as on such a node: every cache dropped, no import set of its own, the agent
-    image's seed (`_first_start_env`)."""
+def overlapped(model: Path, device: str, env: dict[str, str]) -> dict[str, Any]:
+    """The cache path on a fresh node: every cache dropped, the daemon (`env` on top of this
+    process's environment) and the engine started at the same moment; the engine's result,
+    with when the daemon was READY and how its load shared the disk (`daemon_disk`)."""
     from weightcache.bench import gpu as g
-    from weightcache.bench.load import Launcher, drop
+    from weightcache.bench.load import drop
 
-    files = sorted(model.glob("*.safetensors"))
-    out: dict[str, Any] = {}
-    work = Path(tempfile.mkdtemp(prefix="wc-fresh-node-"))
-    env, out["seed"] = _first_start_env(work)
-    # Cache path: daemon and engine start at the same moment.
+    Path(env["WEIGHTCACHE_IMPORT_SET"]).unlink(missing_ok=True)  # a first start each time
     sockdir = Path(tempfile.mkdtemp(prefix="wc-sock-"))
     os.chmod(sockdir, 0o700)
-    drop(files)
+    drop(sorted(model.glob("*.safetensors")))
     t0 = time.time()
     daemon = subprocess.Popen(
         [sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model), "--device",
@@ -344,14 +342,65 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
     try:
         ready = g.first_json_line(daemon, "READY ")
         ready_s = time.time() - t0
-        out["cache_overlapped"] = finish(proc, t0, "cache_wait")
-        out["cache_overlapped"]["daemon_ready_s"] = round(ready_s, 3)
-        out["cache_overlapped"]["daemon_ready"] = bool(ready)
-        out["cache_overlapped"]["daemon_import_prefetch"] = (
-            (ready.get("rank_loads") or [{}])[0].get("import_prefetch"))
+        r = finish(proc, t0, "cache_wait")
+        rank = ((ready or {}).get("rank_loads") or [{}])[0]
+        r["daemon_ready_s"] = round(ready_s, 3)
+        r["daemon_ready"] = bool(ready)
+        r["daemon_import_prefetch"] = rank.get("import_prefetch")
+        r["daemon_disk"] = (rank.get("loader") or {}).get("disk")
     finally:
         g.stop_process(daemon)
         shutil.rmtree(sockdir, ignore_errors=True)
+    return r
+
+
+# `holdab`: the cache path on a fresh node with the growing hold after another program's
+# faults (the default) and the fixed hold of before, in turn (diskshare.HOLD_MAX).
+HOLD_AB = {"default": {}, "fixed_hold": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"}}
+
+
+def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
+    """The fresh node's cache path with each of HOLD_AB, in turn, `rounds` times: first
+    logits, the daemon's READY, the engine's imports and the daemon's gentle seconds."""
+    work = Path(tempfile.mkdtemp(prefix="wc-fresh-node-"))
+    env, seed = _first_start_env(work)
+    out: dict[str, Any] = {"seed": seed}
+    try:
+        for n in range(rounds):
+            for label, extra in HOLD_AB.items():
+                key = f"{label}_{n + 1}"
+                out[key] = overlapped(model, device, {**env, **extra})
+                log(f"  hold-ab {key} {json.dumps(out[key])[:600]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    s: dict[str, Any] = {}
+    for key, r in out.items():
+        if key == "seed":
+            continue
+        phases = r.get("phases") or {}
+        s[key] = {"first_logits_s": r.get("first_logits_seconds"),
+                  "daemon_ready_s": r.get("daemon_ready_s"),
+                  "engine_imports_s": round(sum(phases.get(k) or 0.0 for k in
+                                                ("import_torch", "import_transformers")), 3),
+                  "daemon_gentle_s": (r.get("daemon_disk") or {}).get("gentle_seconds"),
+                  "hold_max": (r.get("daemon_disk") or {}).get("hold_max"),
+                  "longest_hold": (r.get("daemon_disk") or {}).get("longest_hold"),
+                  "weights_from": r.get("weights_from")}
+    out["summary"] = s
+    return out
+
+
+def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
+    """Time to first logits on a node new to the model: cache path against disk path. The
+    daemon starts as on such a node: every cache dropped, no import set of its own, the agent
+    image's seed (`_first_start_env`)."""
+    from weightcache.bench.load import Launcher, drop
+
+    files = sorted(model.glob("*.safetensors"))
+    out: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="wc-fresh-node-"))
+    env, out["seed"] = _first_start_env(work)
+    out["cache_overlapped"] = overlapped(model, device, env)
     log(f"  fresh-node cache_overlapped {json.dumps(out['cache_overlapped'])[:600]}")
     # Today's order: READY first, then the engine starts.
     if not smoke:
@@ -476,6 +525,10 @@ def run_section(device: str, smoke: bool, shape: str, workdir: Path,
     if "fresh" in parts:
         report["fresh_node"] = fresh_node(model, device, smoke=smoke)
         log(f"fresh-node summary {json.dumps(report['fresh_node']['summary'])}")
+        save()
+    if "holdab" in parts:
+        report["hold_ab"] = hold_ab(model, device, rounds=1 if smoke else 2)
+        log(f"hold-ab summary {json.dumps(report['hold_ab']['summary'])}")
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
     return report

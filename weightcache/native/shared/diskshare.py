@@ -21,7 +21,9 @@ faults: it reads with `preadv` into memory it holds. So faults mean a program is
 or data in from storage. Swap-ins are faults too, and are subtracted (`pswpin`). At least
 FAULTS faults within WINDOW seconds make the load gentle: at most GENTLE_READERS direct reads
 in flight, each of at most GENTLE_READ bytes, at the idle I/O priority. It stays gentle until
-HOLD seconds pass after the last fault of such a window. (Counted from the window's end, it
+HOLD seconds pass after the last fault of such a window; after another program's fault, for
+as long as that program has been faulting, up to HOLD_MAX (an engine starting beside the load
+reads files between its faults). (Counted from the window's end, it
 was WINDOW + HOLD: on the H200, 4 faults of a short-lived program that nobody could name made
 a cold READY gentle for 1.5-1.8 s, against the disk's full rate for 1 s of it. A program that
 is still starting faults again within milliseconds once the reads are gentle, and one stalled
@@ -99,6 +101,14 @@ WINDOW = 0.5
 # per window let a rank's import crawl beside full-rate reads for 5 s.
 FAULTS = 1
 HOLD = 1.0
+# Another program that keeps faulting is starting, not passing by: the hold after its last
+# fault grows with the span of its faults so far (its episode: faults at most HOLD_MAX apart),
+# from HOLD to HOLD_MAX. Why: an engine's `import transformers` reads thousands of Python files
+# with `read()`, which fault nothing, between the faults of the libraries it maps; with a hold
+# of HOLD the reads went full in those gaps, and each of its reads then waited behind the
+# load's queue (on an H100 VM its imports took 14.3 s beside a cold load against 9.7 s alone,
+# run68). A blip (a helper's 3-4 faults at once) still holds HOLD.
+HOLD_MAX = 3.0
 # The early reads of a rank with no import set start gentle: its `import torch` faults from
 # its first milliseconds if the libraries are cold, and a fault already queued behind 32 x 16
 # MiB waits 0.3 s. They go full after this long without a fault (libraries in the page cache).
@@ -248,12 +258,16 @@ class DiskShare:
     """
 
     def __init__(self, *, interval: float = INTERVAL, window: float = WINDOW,
-                 faults: int = FAULTS, hold: float = HOLD, readers: int = GENTLE_READERS,
+                 faults: int = FAULTS, hold: float = HOLD, hold_max: float | None = None,
+                 readers: int = GENTLE_READERS,
                  read: int = GENTLE_READ, source: str = VMSTAT,
                  start_gentle: float = 0.0, own: bool = True,
                  own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None,
                  proc: str = PROC) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
+        # How long others' faults may hold it (module doc: HOLD_MAX); None: `hold` always.
+        self.hold_max = max(hold, hold_max) if hold_max is not None else hold
+        self.longest_hold = 0.0  # the longest hold others' faults were given (stats)
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
@@ -347,8 +361,9 @@ class DiskShare:
 
     def _watch(self) -> None:
         samples: deque[tuple[float, int, int]] = deque()
-        # Gentle at the start counts as a fault START_GENTLE - HOLD seconds after it began.
-        last_busy = self._span_end() - self.hold
+        # Gentle until then: the start's span, and each counted fault's hold after it.
+        until = self._span_end()
+        episode: list[float] = []  # others' faults: [when the episode began, its last fault]
         first: tuple[int, int] | None = None
         began = time.monotonic()
         procs: dict[int, tuple[str, int, int]] = {}  # the last look: who had faulted how often
@@ -358,7 +373,7 @@ class DiskShare:
                 if self._settled != settled:  # settle(): the faults before no longer count
                     settled = self._settled
                     samples.clear()
-                    last_busy = self._span_end() - self.hold
+                    until, episode = self._span_end(), []
             now = time.monotonic()
             count = read_faults(self.source)
             if count is None:
@@ -384,8 +399,9 @@ class DiskShare:
                 self.timeline.append(row)
             self.faults_total, self.own_total = count - first[0], own - first[1]
             # Faults that count, new since the last sample: the hold runs from the last of them.
-            fresh = bool(samples) and (count - samples[-1][1]) - (
-                0 if self._count_own else own - samples[-1][2]) > 0
+            mine = own - samples[-1][2] if samples else 0
+            others = count - samples[-1][1] - mine > 0 if samples else False
+            fresh = others or (self._count_own and mine > 0)
             samples.append((now, count, own))
             while len(samples) > 1 and samples[0][0] < now - self.window:
                 samples.popleft()
@@ -394,7 +410,9 @@ class DiskShare:
                 recent -= own - samples[0][2]
             if recent >= self.faults:
                 if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
-                    last_busy = now
+                    until = max(until, now + self.hold)
+                if others:
+                    until = max(until, now + self._others_hold(episode, now))
                 self.seen_faults = max(self.seen_faults, recent)
             with self._cond:
                 # A settle() since this sample's look began decided already. Applied over it,
@@ -402,8 +420,19 @@ class DiskShare:
                 # look, and a rank's `import torch`, holding the GIL for 0.2-0.4 s at a time,
                 # put that off (run47-48).
                 if self._settled == settled:
-                    self._set(self._held or now - last_busy < self.hold, now)
+                    self._set(self._held or now < until, now)
             self._stop.wait(self.interval)
+
+    def _others_hold(self, episode: list[float], now: float) -> float:
+        """The hold after another program's fault at `now`: the span of its episode so far
+        (`episode`, updated: a fault more than `hold_max` after the last begins a new one),
+        at least `hold`, at most `hold_max` (module doc: HOLD_MAX)."""
+        if not episode or now - episode[1] > self.hold_max:
+            episode[:] = [now, now]
+        episode[1] = now
+        hold = min(self.hold_max, max(self.hold, now - episode[0]))
+        self.longest_hold = max(self.longest_hold, hold)
+        return hold
 
     def _who(self, before: dict[int, tuple[str, int, int]]) -> dict[int, tuple[str, int, int]]:
         """Look at /proc again: this process's live descendants join `_family` (their faults
@@ -491,7 +520,8 @@ class DiskShare:
                 "gentle_switches": self.switches, "most_faults_in_window": self.seen_faults,
                 "faults": self.faults_total, "own_faults": self.own_total,
                 "counts_own": self._count_own, "fault_times": list(self.timeline),
-                "settled_at": self.settled_at, "start_gentle": self.start_gentle}
+                "settled_at": self.settled_at, "start_gentle": self.start_gentle,
+                "hold_max": self.hold_max, "longest_hold": round(self.longest_hold, 3)}
 
 
 def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
@@ -504,7 +534,7 @@ def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
         return disk, False
     if not loadenv.yielding():
         return None, False
-    mine = DiskShare(start_gentle=start_gentle, own=own)
+    mine = DiskShare(start_gentle=start_gentle, own=own, hold_max=loadenv.hold_max(HOLD_MAX))
     if not mine.available:
         return None, False
     return mine.start(), True

@@ -25,6 +25,7 @@ DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
 IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
 YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
 START_GENTLE_ENV = "WEIGHTCACHE_LOAD_START_GENTLE_S"
+HOLD_MAX_ENV = "WEIGHTCACHE_LOAD_HOLD_MAX_S"
 HOT_STEP_ENV = "WEIGHTCACHE_LOAD_HOT_STEP_MIB"
 MAX_HOT_STEP_MIB = 256
 
@@ -134,15 +135,27 @@ def threads(default: int) -> int:
     return positive(THREADS_ENV, default)
 
 
-def start_gentle(default: float) -> float:
-    """`WEIGHTCACHE_LOAD_START_GENTLE_S`: seconds a rank's reads stay gentle from their start
-    (diskshare.py), 0 to 60, else `default`: a knob that only tunes speed never fails a start."""
-    text = os.environ.get(START_GENTLE_ENV, "").strip()
+def _seconds(name: str, default: float) -> float:
+    """Seconds from 0 to 60 in `name`, else `default`: a knob that only tunes speed never
+    fails a start."""
+    text = os.environ.get(name, "").strip()
     try:
         value = float(text) if text else default
     except ValueError:
         return default
     return value if 0 <= value <= 60 else default
+
+
+def start_gentle(default: float) -> float:
+    """`WEIGHTCACHE_LOAD_START_GENTLE_S`: seconds a rank's reads stay gentle from their start
+    (diskshare.py), else `default`."""
+    return _seconds(START_GENTLE_ENV, default)
+
+
+def hold_max(default: float) -> float:
+    """`WEIGHTCACHE_LOAD_HOLD_MAX_S`: the longest a load stays gentle after another program's
+    last fault, however long that program has been starting (diskshare.py), else `default`."""
+    return _seconds(HOLD_MAX_ENV, default)
 
 
 def chunk() -> int:
