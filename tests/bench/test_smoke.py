@@ -56,8 +56,8 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
 
 
 def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
-    """`restart`'s `holdab` part: the fresh node's cache path with the growing hold (the
-    default) and the fixed one, each READY's share saying which it ran with."""
+    """`restart`'s `holdab` part: the fresh node's cache path with the disk share as it is
+    and as it was before, each READY's share saying which it ran with."""
     out = tmp_path / "restart.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_RESTART_OUT": str(out),
            "WEIGHTCACHE_BENCH_RESTART_PARTS": "holdab"}
@@ -68,9 +68,11 @@ def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert "fresh_node" not in report and "restart_compile" not in report
     summary = report["hold_ab"]["summary"]
-    assert set(summary) == {"default_1", "fixed_hold_1"}, summary
+    assert set(summary) == {"default_1", "before_1"}, summary
     assert summary["default_1"]["hold_max"] == 3.0, summary
-    assert summary["fixed_hold_1"]["hold_max"] == 1.0, summary
+    assert summary["default_1"]["reads_seen"] is True, summary
+    assert summary["before_1"]["hold_max"] == 1.0, summary
+    assert summary["before_1"]["reads_seen"] is False, summary
     for row in summary.values():
         assert row["weights_from"] == "cache" and row["first_logits_s"] > 0, summary
         assert row["daemon_ready_s"] > 0 and row["engine_imports_s"] > 0, summary
@@ -106,14 +108,16 @@ def test_lean_hotstep_runs_the_warm_steps_alone(tmp_path):
 
 
 def test_lean_holdab_runs_ready_with_each_hold_in_turn(tmp_path):
-    """`lean,holdab`: READY with every cache dropped with the disk share's fixed hold and its
-    growing one, in turn, twice; each rank's share says which it ran with."""
+    """`lean,holdab`: READY with every cache dropped with the disk share as before and as it
+    is, in turn, twice; each rank's share says which it ran with."""
     layout = _smoke_load(tmp_path, "lean,holdab", "sharded")
     summary = layout["summary"]
-    for key, hold_max in (("preload_cold_holdfixed", 1.0), ("preload_cold_holdgrow", 3.0)):
+    for key, hold_max, reads in (("preload_cold_holdbefore", 1.0, False),
+                                 ("preload_cold_holdnow", 3.0, True)):
         for suffix in ("", "_again"):
             assert summary[f"{key}{suffix}_ready_s"] > 0, sorted(summary)
             assert summary[f"{key}{suffix}_disk"]["hold_max"] == hold_max
+            assert summary[f"{key}{suffix}_disk"]["reads_seen"] is reads
 
 
 def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_at_smoke_size(

@@ -224,7 +224,9 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_switches", "gentle_seconds",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
-                         "fault_times", "settled_at", "start_gentle", "hold_max", "longest_hold"}
+                         "fault_times", "settled_at", "start_gentle", "hold_max",
+                         "longest_hold", "reads_seen", "read_events", "others_read_bytes"}
+    assert disk["reads_seen"] is True and disk["others_read_bytes"] >= 0
     assert disk["hold_max"] == diskshare.HOLD_MAX
     assert 0 <= disk["longest_hold"] <= diskshare.HOLD_MAX
     assert disk["start_gentle"] == diskshare.START_GENTLE > 0
@@ -655,3 +657,82 @@ def test_the_hold_max_knob_is_lenient_and_bounded(monkeypatch):
     finally:
         if share is not None:
             share.stop()
+
+
+def _reads(tmp_path: Path, system: int, own: int) -> tuple[str, str]:
+    """A vmstat with no faults and `system` bytes read (`pgpgin`, KiB), and a proc_pid_io(5)
+    with `own` bytes read."""
+    vmstat, io = tmp_path / "vmstat", tmp_path / "io"
+    tmp = tmp_path / "tmp"
+    # The process's count first, as the kernel counts both where a read is sent: a sample
+    # never sees the system's count of a read without the process's.
+    tmp.write_text(f"rchar: 1\nwchar: 2\nread_bytes: {own}\nwrite_bytes: 0\n")
+    os.replace(tmp, io)
+    tmp.write_text(f"pgpgin {system // 1024}\npgmajfault 0\npswpin 0\n")
+    os.replace(tmp, vmstat)
+    return str(vmstat), str(io)
+
+
+def test_another_programs_reads_make_the_load_gentle_and_another_load_does_not(tmp_path):
+    """A program that reads files with `read()` faults nothing: the disk's reads less this
+    process's own say it is there (an engine's `import transformers` beside a fresh node's
+    load). Reads as large as the load's own (another cache's load) do not count, nor does any
+    read with the signal turned off."""
+    vmstat, io = _reads(tmp_path, 0, 0)
+    (tmp_path / "s").mkdir()
+    _, stat = _counters(tmp_path / "s", 0, 0)
+    kw = dict(interval=0.01, window=0.2, hold=0.2, source=vmstat, own=False, own_source=stat,
+              proc=NO_PROC, io_source=io)
+    share, off = DiskShare(**kw).start(), DiskShare(reads=False, **kw).start()
+    try:
+        assert share.reads and not off.reads
+        assert share.watching.wait(30) and off.watching.wait(30)
+        system = own = 0
+
+        def step(mine: int, theirs: int, seconds: float) -> None:
+            nonlocal system, own
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                own += mine
+                system += mine + theirs
+                _reads(tmp_path, system, own)
+                time.sleep(0.01)
+
+        step(64 * MiB, 0, 0.3)  # the load alone, at full rate
+        assert not share.gentle and share.stats()["read_events"] == 0
+        step(64 * MiB, 128 * 1024, 0.3)  # and a program reading 128 KiB each 10 ms
+        assert share.gentle, "another program's reads went unseen"
+        assert not off.gentle, "the signal was off"
+        assert share.stats()["read_events"] > 0
+        step(64 * MiB, 0, 0.6)  # it is done: full after the hold
+        assert wait_until(lambda: not share.gentle, 5)
+        # Another load, as large as this one: its first samples in the window look small
+        # beside this load's, and count once; then never again.
+        step(64 * MiB, 64 * MiB, 0.5)
+        events = share.stats()["read_events"]
+        step(64 * MiB, 64 * MiB, 0.8)
+        assert share.stats()["read_events"] == events, "another load counted as a start"
+        assert not share.gentle
+    finally:
+        stats = share.stop()
+        off.stop()
+    assert stats["others_read_bytes"] > 0 and stats["faults"] == 0
+
+
+def test_the_read_counters_are_the_kernels(cold_file):
+    """`pgpgin` and this process's `read_bytes` both grow when it reads a file the page cache
+    does not hold."""
+    disk, own = diskshare.read_disk_reads(), diskshare.read_own_reads()
+    if disk is None or own is None:
+        pytest.skip("no /proc/vmstat pgpgin or /proc/self/io here")
+    fd = os.open(cold_file, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        while os.read(fd, MiB):
+            pass
+    finally:
+        os.close(fd)
+    assert diskshare.read_own_reads() - own >= 16 * MiB
+    assert diskshare.read_disk_reads() - disk >= 16 * MiB
+    assert diskshare.read_disk_reads("/nonexistent/vmstat") is None
+    assert diskshare.read_own_reads("/nonexistent/io") is None

@@ -62,8 +62,8 @@ set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the defaul
 at once, in turn likewise), groupbeside (READY with the model cold, the early reads 4 jobs
 per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
 default, one job per call once the fill began, in turn likewise), holdab (READY with every
-cache dropped, the disk share's fixed hold after another program's faults,
-`WEIGHTCACHE_LOAD_HOLD_MAX_S=1`, and the default growing one, in turn, twice), seed (READY
+cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
+`WEIGHTCACHE_LOAD_YIELD_READS=0`, and as it is, in turn, twice), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -941,13 +941,12 @@ READ_JOBS_READY = _in_turn("onejob", "readjobs", {"WEIGHTCACHE_EARLY_READ_JOBS":
 # share (the default until run50), against the default, full at once (diskshare.py).
 START_GENTLE_READY = _in_turn("gentlestart", "startgentle",
                               {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0.5"})
-# READY with every cache dropped, the disk share's fixed hold of before after another
-# program's faults (`WEIGHTCACHE_LOAD_HOLD_MAX_S=1`) and the growing one (the default,
-# diskshare.HOLD_MAX), in turn, twice.
-HOLD_READY = {"preload_cold_holdfixed": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"},
-              "preload_cold_holdgrow": {},
-              "preload_cold_holdfixed_again": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"},
-              "preload_cold_holdgrow_again": {}}
+# READY with every cache dropped, the disk share as it was before (a fixed hold after another
+# program's faults, faults only) and as it is (the hold grows, others' reads count:
+# diskshare.HOLD_MAX, READ_FLOOR), in turn, twice.
+SHARE_BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READS": "0"}
+HOLD_READY = {"preload_cold_holdbefore": SHARE_BEFORE, "preload_cold_holdnow": {},
+              "preload_cold_holdbefore_again": SHARE_BEFORE, "preload_cold_holdnow_again": {}}
 # The early reads 64 MiB a call beside the fill too (earlyread.py), against the default, a
 # job (16 MiB) a call once the fill began.
 GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",

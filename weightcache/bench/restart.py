@@ -23,8 +23,8 @@ Compile (`WEIGHTCACHE_BENCH_RESTART_COMPILE`): `none`; `dirs` = plain `torch.com
    disk (`disk`, `from_pretrained`) and against today's order (READY first, then the engine),
    page cache dropped before each; the daemon as a node's first start (no import set of its
    own, the agent image's seed);
-3. `holdab` (not by default): the fresh node's cache path with the disk share's growing hold
-   after another program's faults and with the fixed hold of before, in turn (`hold_ab`).
+3. `holdab` (not by default): the fresh node's cache path with the disk share as it is and as
+   it was before its growing hold and its look at others' reads, in turn (`hold_ab`).
 On CUDA the checkpoint is the Llama-3.1-8B shape (WEIGHTCACHE_BENCH_RESTART_MODEL=8b|1b);
 on CPU a small Llama; `--smoke` the tiniest. JSON: WEIGHTCACHE_BENCH_RESTART_OUT.
 The `load` section runs the compile-free restarts too (`restart_figures`).
@@ -354,9 +354,11 @@ def overlapped(model: Path, device: str, env: dict[str, str]) -> dict[str, Any]:
     return r
 
 
-# `holdab`: the cache path on a fresh node with the growing hold after another program's
-# faults (the default) and the fixed hold of before, in turn (diskshare.HOLD_MAX).
-HOLD_AB = {"default": {}, "fixed_hold": {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1"}}
+# `holdab`: the cache path on a fresh node with the disk share as it is (a growing hold after
+# another program's faults, and others' reads seen: diskshare.HOLD_MAX, READ_FLOOR) and as it
+# was before (a fixed hold, faults only), in turn.
+BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READS": "0"}
+HOLD_AB = {"default": {}, "before": BEFORE}
 
 
 def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
@@ -385,6 +387,8 @@ def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
                   "daemon_gentle_s": (r.get("daemon_disk") or {}).get("gentle_seconds"),
                   "hold_max": (r.get("daemon_disk") or {}).get("hold_max"),
                   "longest_hold": (r.get("daemon_disk") or {}).get("longest_hold"),
+                  "reads_seen": (r.get("daemon_disk") or {}).get("reads_seen"),
+                  "read_events": (r.get("daemon_disk") or {}).get("read_events"),
                   "weights_from": r.get("weights_from")}
     out["summary"] = s
     return out

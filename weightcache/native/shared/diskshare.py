@@ -109,6 +109,17 @@ HOLD = 1.0
 # load's queue (on an H100 VM its imports took 14.3 s beside a cold load against 9.7 s alone,
 # run68). A blip (a helper's 3-4 faults at once) still holds HOLD.
 HOLD_MAX = 3.0
+# Another program reading files with `read()` faults nothing, so its reads are seen apart from
+# the faults: the disk's reads system-wide (`pgpgin` of /proc/vmstat, counted where a read is
+# sent to the device) less this process's (`read_bytes` of /proc/self/io, counted at the same
+# place). At least READ_FLOOR of them within WINDOW, and at most READ_SHARE of this process's
+# own reads in it, count as one more fault of another program. A program starting reads little
+# and slowly behind a full queue (a read of 128 KiB each 0.2 s or so); another bulk load on the
+# node (another cache's rank, an image's layers) reads as much as this one and is not a program
+# to yield to: two loads that counted each other would hold each other gentle.
+READ_FLOOR = 256 * 1024
+READ_SHARE = 0.25
+SELF_IO = "/proc/self/io"
 # The early reads of a rank with no import set start gentle: its `import torch` faults from
 # its first milliseconds if the libraries are cold, and a fault already queued behind 32 x 16
 # MiB waits 0.3 s. They go full after this long without a fault (libraries in the page cache).
@@ -192,9 +203,10 @@ def thread_is_idle() -> bool:
 
 
 
-def read_faults(path: str = VMSTAT) -> int | None:
-    """Major page faults so far, system-wide, less swap-ins; None where unreadable."""
-    faults = swapins = None
+def _vmstat(path: str) -> tuple[int | None, int | None]:
+    """(major faults less swap-ins, bytes sent to block devices to be read) so far,
+    system-wide, from one read of `path`; None for what is missing or unreadable."""
+    faults = swapins = pgpgin = None
     try:
         with open(path, "rb") as fh:
             for line in fh:
@@ -202,11 +214,35 @@ def read_faults(path: str = VMSTAT) -> int | None:
                     faults = int(line.split()[1])
                 elif line.startswith(b"pswpin "):
                     swapins = int(line.split()[1])
+                elif line.startswith(b"pgpgin "):
+                    pgpgin = int(line.split()[1]) * 1024  # KiB
+    except (OSError, ValueError):
+        return None, None
+    return (faults - (swapins or 0) if faults is not None else None), pgpgin
+
+
+def read_faults(path: str = VMSTAT) -> int | None:
+    """Major page faults so far, system-wide, less swap-ins; None where unreadable."""
+    return _vmstat(path)[0]
+
+
+def read_disk_reads(path: str = VMSTAT) -> int | None:
+    """Bytes sent to block devices to be read so far, system-wide (`pgpgin`); None where
+    unreadable."""
+    return _vmstat(path)[1]
+
+
+def read_own_reads(path: str = SELF_IO) -> int | None:
+    """Bytes this process (all its threads) sent to block devices to be read so far
+    (`read_bytes` of proc_pid_io(5)); None where unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
     except (OSError, ValueError):
         return None
-    if faults is None:
-        return None
-    return faults - (swapins or 0)
+    return None
 
 
 def _stat_fields(text: bytes) -> tuple[str, list[bytes]]:
@@ -263,11 +299,18 @@ class DiskShare:
                  read: int = GENTLE_READ, source: str = VMSTAT,
                  start_gentle: float = 0.0, own: bool = True,
                  own_source: str = SELF_STAT, kin: tuple[str, ...] | None = None,
-                 proc: str = PROC) -> None:
+                 proc: str = PROC, reads: bool = True, io_source: str = SELF_IO) -> None:
         self.interval, self.window, self.faults, self.hold = interval, window, faults, hold
         # How long others' faults may hold it (module doc: HOLD_MAX); None: `hold` always.
         self.hold_max = max(hold, hold_max) if hold_max is not None else hold
         self.longest_hold = 0.0  # the longest hold others' faults were given (stats)
+        # Others' reads count too (READ_FLOOR), where both counters can be read.
+        counts = _vmstat(source)  # one read: a test's source may be a FIFO
+        self.io_source = io_source
+        self.reads = (reads and counts[1] is not None
+                      and read_own_reads(io_source) is not None)
+        self.read_events = 0  # samples where others' reads counted as a fault
+        self.others_read = 0  # bytes others read while it watched (system-wide, less own)
         self.readers, self.read = max(1, readers), max(4096, read - read % 4096)
         self.source = source
         self.start_gentle = start_gentle  # gentle from start() until this long without faults
@@ -279,7 +322,7 @@ class DiskShare:
         self.kin = tuple(_KIN) if kin is None else kin  # counted as own (count_as_own)
         self._kin_last = dict.fromkeys(self.kin, 0)  # a process gone keeps its last count
         self._count_own = own  # False: this process's own faults are subtracted (module doc)
-        self.available = read_faults(source) is not None
+        self.available = counts[0] is not None
         self._cond = threading.Condition()
         self._busy = 0
         self._gentle = False
@@ -375,14 +418,22 @@ class DiskShare:
                     samples.clear()
                     until, episode = self._span_end(), []
             now = time.monotonic()
-            count = read_faults(self.source)
+            # This process's reads just before and just after the system's: its own reads
+            # sent in between count as its own (`_others_reading` takes the bounds that make
+            # others' reads the least), never as another program's.
+            own_lo = read_own_reads(self.io_source) if self.reads else None
+            count, disk_reads = _vmstat(self.source)
             if count is None:
                 break
+            own_hi = read_own_reads(self.io_source) if own_lo is not None else None
+            if own_hi is None:
+                disk_reads = None
             kin_before = sum(self._kin_last.values())
             own = self._own()
             kin_new = sum(self._kin_last.values()) - kin_before
             if first is None:
                 first = (count, own)
+                reads_first = (disk_reads, own_lo)
                 procs = faults_by_process(self.proc)  # after the counts it starts from
                 self.watching.set()
             named = None
@@ -402,12 +453,16 @@ class DiskShare:
             mine = own - samples[-1][2] if samples else 0
             others = count - samples[-1][1] - mine > 0 if samples else False
             fresh = others or (self._count_own and mine > 0)
-            samples.append((now, count, own))
+            samples.append((now, count, own, disk_reads, own_lo, own_hi))
             while len(samples) > 1 and samples[0][0] < now - self.window:
                 samples.popleft()
             recent = count - samples[0][1]
             if not self._count_own:
                 recent -= own - samples[0][2]
+            if self._others_reading(samples, reads_first):
+                others = True  # another program reading files: as one of its faults
+                if recent < self.faults:
+                    recent = self.faults
             if recent >= self.faults:
                 if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
                     until = max(until, now + self.hold)
@@ -422,6 +477,28 @@ class DiskShare:
                 if self._settled == settled:
                     self._set(self._held or now < until, now)
             self._stop.wait(self.interval)
+
+    def _others_reading(self, samples: deque, first: tuple[int | None, int | None]) -> bool:
+        """Whether others' reads within the window count as another program's fault
+        (READ_FLOOR), counted when someone else read since the last sample, so that the hold
+        runs from their last read. This process's own reads (a rank's `import torch`, its
+        import set's read) are never others': `read_bytes` counts them."""
+        newest, oldest = samples[-1], samples[0]
+        if None in (newest[3], oldest[3], first[0], first[1]) or len(samples) < 2:
+            return False
+
+        def others(new: tuple, old: tuple) -> int:  # at least this much, never more
+            return (new[3] - old[3]) - (new[5] - old[4])
+
+        self.others_read = max(0, (newest[3] - first[0]) - (newest[5] - first[1]))
+        prev = samples[-2]
+        if prev[3] is None or others(newest, prev) <= 0:
+            return False  # nobody else read since the last sample
+        theirs, own = others(newest, oldest), newest[4] - oldest[5]
+        if READ_FLOOR <= theirs <= READ_SHARE * own:
+            self.read_events += 1
+            return True
+        return False
 
     def _others_hold(self, episode: list[float], now: float) -> float:
         """The hold after another program's fault at `now`: the span of its episode so far
@@ -521,7 +598,9 @@ class DiskShare:
                 "faults": self.faults_total, "own_faults": self.own_total,
                 "counts_own": self._count_own, "fault_times": list(self.timeline),
                 "settled_at": self.settled_at, "start_gentle": self.start_gentle,
-                "hold_max": self.hold_max, "longest_hold": round(self.longest_hold, 3)}
+                "hold_max": self.hold_max, "longest_hold": round(self.longest_hold, 3),
+                "reads_seen": self.reads, "read_events": self.read_events,
+                "others_read_bytes": self.others_read}
 
 
 def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
@@ -534,7 +613,8 @@ def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
         return disk, False
     if not loadenv.yielding():
         return None, False
-    mine = DiskShare(start_gentle=start_gentle, own=own, hold_max=loadenv.hold_max(HOLD_MAX))
+    mine = DiskShare(start_gentle=start_gentle, own=own, hold_max=loadenv.hold_max(HOLD_MAX),
+                     reads=loadenv.flag(loadenv.YIELD_READS_ENV, True))
     if not mine.available:
         return None, False
     return mine.start(), True
