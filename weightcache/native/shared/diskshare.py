@@ -28,9 +28,12 @@ was WINDOW + HOLD: on the H200, 4 faults of a short-lived program that nobody co
 a cold READY gentle for 1.5-1.8 s, against the disk's full rate for 1 s of it. A program that
 is still starting faults again within milliseconds once the reads are gentle, and one stalled
 behind full reads within 0.3 s: either keeps the share gentle.) A reader that starts with
-`read()` calls and no faults
-(Python source files, for one) is not seen; its wait is shorter, because readahead brings
-whole files.
+`read()` calls and no faults (Python source files, for one) shows in the disk's reads
+instead (`pgpgin` of /proc/vmstat, less this process's `read_bytes` of /proc/self/io, both
+counted where a read is sent to the device): a little of them beside a much larger load of
+its own counts as one more fault of another program, while reads as large as its own
+(another cache's load) never do (READ_SHARE). `WEIGHTCACHE_LOAD_YIELD_READS=0` turns that
+look off.
 
 A load's own faults are not another program starting. The counter is system-wide, and the
 process that loads faults too: CUDA loads a kernel's code lazily, on first launch, from
