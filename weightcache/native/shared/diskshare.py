@@ -406,7 +406,9 @@ class DiskShare:
         self._count_own = False
 
     def _watch(self) -> None:
-        samples: deque[tuple[float, int, int]] = deque()
+        # (when, faults, own faults, the disk's reads, own reads just before and after them)
+        samples: deque[tuple[float, int, int, int | None, int | None, int | None]] = deque()
+        reads_first: tuple[int | None, int | None] = (None, None)
         # Gentle until then: the start's span, and each counted fault's hold after it.
         until = self._span_end()
         episode: list[float] = []  # others' faults: [when the episode began, its last fault]
