@@ -67,6 +67,7 @@ def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert "fresh_node" not in report and "restart_compile" not in report
+    assert "the disk share as it is (default) and as before" in proc.stdout, proc.stdout[-2000:]
     summary = report["hold_ab"]["summary"]
     assert set(summary) == {"default_1", "before_1"}, summary
     assert summary["default_1"]["hold_max"] == 3.0, summary

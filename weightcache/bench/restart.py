@@ -505,6 +505,14 @@ def _print(report: dict[str, Any]) -> None:
             print(f"    cache path: daemon READY {s.get('cache_overlapped_daemon_ready_s')} s;"
                   f" the engine's imports {s['cache_overlapped_engine_imports_s']} s beside the"
                   f" load, {s.get('disk_engine_imports_s')} s alone")
+    ab = (report.get("hold_ab") or {}).get("summary") or {}
+    if ab:
+        print("  fresh node, cache path: the disk share as it is (default) and as before, in turn")
+        for key, row in ab.items():
+            print(f"    {key:<10} first logits {row.get('first_logits_s')} s, daemon READY"
+                  f" {row.get('daemon_ready_s')} s, engine imports {row.get('engine_imports_s')}"
+                  f" s, daemon gentle {row.get('daemon_gentle_s')} s, read events"
+                  f" {row.get('read_events')}")
     sys.stdout.flush()
 
 
