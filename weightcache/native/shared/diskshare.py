@@ -60,7 +60,8 @@ that others' faults trigger (their parent chain leads here) and read at every sa
 then on. Its kin's other children are not: a rank's launcher starts the node's other ranks,
 whose imports the share must still yield to. (On the H200 the 3-4 faults that made cold fills
 gentle were named `ld-linux-x86-64`, a short-lived program that was no descendant of the
-rank: the machine's, yielded to as any other.)
+rank: the machine's, yielded to as any other. On an H100 VM a probe found it: the test
+machine's own `nvidia-smi` queries, run through its glibc loader by its PID 1.)
 
 A rank that read its import set whole (importset.py) settles its share (`settle()`): the
 faults seen until then were of pages now in the page cache, so they are forgotten; a fault
