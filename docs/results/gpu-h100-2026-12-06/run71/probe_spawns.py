@@ -4,6 +4,7 @@ processes (comm, parent chain, cmdline, exe), and Python's audit hooks in the la
 rank for spawns made from Python. A tiny checkpoint: the rank's start is what is looked at."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,10 +22,13 @@ from weightcache.native.shared.coldload import drop_page_cache
 HOOK = '''
 import sys, os, json
 def _hook(event, args):
-    if event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "ctypes.dlopen"):
+    if event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+                 "ctypes.dlopen"):
         try:
             with open(os.environ["PROBE_AUDIT"], "a") as fh:
-                fh.write(json.dumps({"pid": os.getpid(), "event": event, "args": repr(args)[:300], "t": __import__("time").time()}) + "\\n")
+                fh.write(json.dumps({"pid": os.getpid(), "event": event,
+                                     "args": repr(args)[:300],
+                                     "t": __import__("time").time()}) + "\\n")
         except Exception:
             pass
 sys.addaudithook(_hook)
@@ -80,16 +84,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="probe-spawn-"))
     model = work / "m"
     model.mkdir()
-    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(16)}, str(model / "model.safetensors"))
-    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(16)},
+              str(model / "model.safetensors"))
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     hook = work / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
     for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
-        try:
+        with contextlib.suppress(OSError):
             drop_page_cache(sorted(model.glob("*.safetensors")), everything=True)
-        except OSError:
-            pass
         audit = work / f"audit{rnd}.jsonl"
         sock = Path(tempfile.mkdtemp(prefix="wc-sock-"))
         os.chmod(sock, 0o700)
@@ -101,8 +105,9 @@ def main() -> None:
         env = {**os.environ, "PROBE_AUDIT": str(audit),
                "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}"}
         t0 = time.time()
-        p = subprocess.Popen([sys.executable, "-m", "weightcache.cli", "preload", "--model", str(model),
-                              "--device", os.environ.get("PROBE_DEVICE", "cuda"), "--weight-cache-socket-dir", str(sock)],
+        p = subprocess.Popen([sys.executable, "-m", "weightcache.cli", "preload", "--model",
+                              str(model), "--device", os.environ.get("PROBE_DEVICE", "cuda"),
+                              "--weight-cache-socket-dir", str(sock)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         ready = None
         for line in p.stdout:
@@ -116,7 +121,8 @@ def main() -> None:
         stop.set()
         th.join()
         disk = ((ready or {}).get("rank_loads") or [{}])[0].get("loader", {}).get("disk")
-        print(json.dumps({"round": rnd, "ready_s": round(t_ready, 3), "disk_fault_times": (disk or {}).get("fault_times"),
+        print(json.dumps({"round": rnd, "ready_s": round(t_ready, 3),
+                          "disk_fault_times": (disk or {}).get("fault_times"),
                           "launcher_pid": p.pid}))
         for pid, info in sorted(seen.items(), key=lambda kv: kv[1]["t"]):
             info["t"] = round(info["t"] - t0, 3)
