@@ -68,6 +68,9 @@ def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert "fresh_node" not in report and "restart_compile" not in report
     assert "the disk share as it is (default) and as before" in proc.stdout, proc.stdout[-2000:]
+    # The engine's first matrix product is timed apart from its first forward.
+    phases = report["hold_ab"]["default_1"]["phases"]
+    assert phases["first_gemm"] > 0 and phases["first_forward"] > 0, phases
     summary = report["hold_ab"]["summary"]
     assert set(summary) == {"default_1", "before_1"}, summary
     assert summary["default_1"]["hold_max"] == 3.0, summary

@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 PHASES = ("interpreter", "import_torch", "import_transformers", "cuda_context",
-          "build_on_meta", "weights", "compile", "first_forward", "second_forward")
+          "build_on_meta", "weights", "first_gemm", "compile", "first_forward", "second_forward")
 
 
 ENV_DEVICE = "WEIGHTCACHE_BENCH_RESTART_DEVICE"
@@ -138,6 +138,13 @@ def child(source: str, model_dir: str, sock: str | None, spawned: float) -> dict
         _sync(torch, device)
         step("weights")
     model.eval()
+    # The first matrix product of the process on its own: the GEMM library's handle and the
+    # kernels it loads on first use. A fresh node's first forward took 0.5-1.1 s longer on the
+    # overlapped cache path than on the others in 6 of 7 runs; this says whether that is there.
+    a = torch.ones(64, 64, dtype=torch.bfloat16, device=dev)
+    torch.matmul(a, a)
+    _sync(torch, device)
+    step("first_gemm")
     ids = torch.randint(0, model.config.vocab_size, (1, 32), device=dev,
                         generator=torch.Generator(device=dev).manual_seed(0))
     with torch.no_grad():
