@@ -465,16 +465,14 @@ class DiskShare:
             recent = count - samples[0][1]
             if not self._count_own:
                 recent -= own - samples[0][2]
-            if self._others_reading(samples, reads_first):
-                others = True  # another program reading files: as one of its faults
-                if recent < self.faults:
-                    recent = self.faults
-            if recent >= self.faults:
+            reading = self._others_reading(samples, reads_first)  # as another's fault
+            counted = recent >= self.faults
+            if counted:
                 if fresh or self.faults <= 0:  # a threshold of none: gentle throughout
                     until = max(until, now + self.hold)
-                if others:
-                    until = max(until, now + self._others_hold(episode, now))
                 self.seen_faults = max(self.seen_faults, recent)
+            if (counted and others) or reading:
+                until = max(until, now + self._others_hold(episode, now))
             with self._cond:
                 # A settle() since this sample's look began decided already. Applied over it,
                 # this look's verdict (from faults the settle forgot) stood until the next
