@@ -386,16 +386,13 @@ def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
     for key, r in out.items():
         if key == "seed":
             continue
-        phases = r.get("phases") or {}
+        disk = r.get("daemon_disk") or {}
         s[key] = {"first_logits_s": r.get("first_logits_seconds"),
                   "daemon_ready_s": r.get("daemon_ready_s"),
-                  "engine_imports_s": round(sum(phases.get(k) or 0.0 for k in
-                                                ("import_torch", "import_transformers")), 3),
-                  "daemon_gentle_s": (r.get("daemon_disk") or {}).get("gentle_seconds"),
-                  "hold_max": (r.get("daemon_disk") or {}).get("hold_max"),
-                  "longest_hold": (r.get("daemon_disk") or {}).get("longest_hold"),
-                  "reads_seen": (r.get("daemon_disk") or {}).get("reads_seen"),
-                  "read_events": (r.get("daemon_disk") or {}).get("read_events"),
+                  "engine_imports_s": _engine_imports(r),
+                  "daemon_gentle_s": disk.get("gentle_seconds"),
+                  **{k: disk.get(k) for k in ("hold_max", "longest_hold", "reads_seen",
+                                              "read_events")},
                   "weights_from": r.get("weights_from")}
     out["summary"] = s
     return out
@@ -457,21 +454,24 @@ def fresh_node(model: Path, device: str, *, smoke: bool) -> dict[str, Any]:
     return out
 
 
+def _engine_imports(run: dict[str, Any] | None) -> float | None:
+    """`import torch` and `import transformers` of one engine start, in seconds; None when
+    either is missing."""
+    phases = (run or {}).get("phases") or {}
+    parts = [phases.get(k) for k in ("import_torch", "import_transformers")]
+    return round(sum(parts), 3) if all(isinstance(p, (int, float)) for p in parts) else None
+
+
 def _where_the_overlap_went(out: dict[str, Any]) -> dict[str, Any]:
     """Which of the two starts bounded the cache path: the daemon's READY, or the engine's
     imports, which read the disk beside the daemon's load (on an H100 VM, run60: transformers
     imported in 15.1 s there against 10.6 s from disk alone, while the daemon was READY at
     12.3 s). `engine_imports_s`: `import torch` and `import transformers` of one start."""
-    def imports(run: dict[str, Any] | None) -> float | None:
-        phases = (run or {}).get("phases") or {}
-        parts = [phases.get(k) for k in ("import_torch", "import_transformers")]
-        return round(sum(parts), 3) if all(isinstance(p, (int, float)) for p in parts) else None
-
     s: dict[str, Any] = {}
     overlapped = out.get("cache_overlapped") or {}
     if isinstance(overlapped.get("daemon_ready_s"), (int, float)):
         s["cache_overlapped_daemon_ready_s"] = overlapped["daemon_ready_s"]
-    beside, alone = imports(overlapped), imports(out.get("disk"))
+    beside, alone = _engine_imports(overlapped), _engine_imports(out.get("disk"))
     if beside is not None:
         s["cache_overlapped_engine_imports_s"] = beside
     if alone is not None:
