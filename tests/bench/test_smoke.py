@@ -57,10 +57,12 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
 
 def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     """`restart`'s `holdab` part: the fresh node's cache path with the disk share as it is
-    and as it was before, each READY's share saying which it ran with."""
+    and as the comparison names it (here a half-second hold after a blip against the old
+    second: `WEIGHTCACHE_BENCH_SHARE_BEFORE`), each READY's share saying which it ran with."""
     out = tmp_path / "restart.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIGHTCACHE_BENCH_RESTART_OUT": str(out),
-           "WEIGHTCACHE_BENCH_RESTART_PARTS": "holdab"}
+           "WEIGHTCACHE_BENCH_RESTART_PARTS": "holdab", "WEIGHTCACHE_LOAD_HOLD_S": "0.5",
+           "WEIGHTCACHE_BENCH_SHARE_BEFORE": "WEIGHTCACHE_LOAD_HOLD_S=1"}
     proc = subprocess.run(
         [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke",
          "restart"], capture_output=True, text=True, timeout=300, env=env)
@@ -73,13 +75,38 @@ def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     assert phases["first_gemm"] > 0 and phases["first_forward"] > 0, phases
     summary = report["hold_ab"]["summary"]
     assert set(summary) == {"default_1", "before_1"}, summary
-    assert summary["default_1"]["hold_max"] == 3.0, summary
-    assert summary["default_1"]["reads_seen"] is True, summary
-    assert summary["before_1"]["hold_max"] == 1.0, summary
-    assert summary["before_1"]["reads_seen"] is False, summary
+    assert report["hold_ab"]["before_env"] == {"WEIGHTCACHE_LOAD_HOLD_S": "1"}
+    for key, hold in (("default_1", 0.5), ("before_1", 1.0)):
+        assert summary[key]["hold"] == hold, summary
+        assert summary[key]["hold_max"] == 3.0, summary
+        assert summary[key]["reads_seen"] is True, summary
     for row in summary.values():
         assert row["weights_from"] == "cache" and row["first_logits_s"] > 0, summary
         assert row["daemon_ready_s"] > 0 and row["engine_imports_s"] > 0, summary
+
+
+def test_the_share_a_holdab_compares_with_is_named_or_refused(monkeypatch) -> None:
+    """`WEIGHTCACHE_BENCH_SHARE_BEFORE`: the load knobs the `holdab` parts compare the default
+    with; unset, the share as it was before the growing hold; anything but load knobs is
+    refused before a checkpoint is written."""
+    from weightcache.bench.load import SHARE_BEFORE, SHARE_BEFORE_ENV, share_before
+
+    monkeypatch.delenv(SHARE_BEFORE_ENV, raising=False)
+    assert share_before() == SHARE_BEFORE
+    monkeypatch.setenv(SHARE_BEFORE_ENV,
+                       " WEIGHTCACHE_LOAD_HOLD_S=1 , WEIGHTCACHE_LOAD_HOLD_MAX_S=2")
+    assert share_before() == {"WEIGHTCACHE_LOAD_HOLD_S": "1", "WEIGHTCACHE_LOAD_HOLD_MAX_S": "2"}
+    for bad in ("WEIGHTCACHE_LOAD_HOLD_S", "PATH=/tmp", "WEIGHTCACHE_LOAD_HOLD_S=1,junk"):
+        monkeypatch.setenv(SHARE_BEFORE_ENV, bad)
+        with pytest.raises(ValueError, match=SHARE_BEFORE_ENV):
+            share_before()
+    monkeypatch.setenv(SHARE_BEFORE_ENV, "PATH=/tmp")
+    env = {**os.environ, "WEIGHTCACHE_BENCH_RESTART_PARTS": "holdab"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke",
+         "restart"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and SHARE_BEFORE_ENV in proc.stdout + proc.stderr
+    assert "fresh node" not in proc.stdout
 
 
 def _smoke_load(tmp_path, parts: str, layout: str) -> dict:

@@ -224,10 +224,10 @@ def test_ready_reports_the_share(tmp_path, sock_dir, preload):
     assert disk["available"] is True
     assert set(disk) == {"available", "gentle_switches", "gentle_seconds",
                          "most_faults_in_window", "faults", "own_faults", "counts_own",
-                         "fault_times", "settled_at", "start_gentle", "hold_max",
+                         "fault_times", "settled_at", "start_gentle", "hold", "hold_max",
                          "longest_hold", "reads_seen", "read_events", "others_read_bytes"}
     assert disk["reads_seen"] is True and disk["others_read_bytes"] >= 0
-    assert disk["hold_max"] == diskshare.HOLD_MAX
+    assert disk["hold"] == diskshare.HOLD and disk["hold_max"] == diskshare.HOLD_MAX
     assert 0 <= disk["longest_hold"] <= diskshare.HOLD_MAX
     assert disk["start_gentle"] == diskshare.START_GENTLE > 0
     assert disk["counts_own"] is False  # its device was open: the rank's start was over
@@ -657,6 +657,27 @@ def test_the_hold_max_knob_is_lenient_and_bounded(monkeypatch):
     finally:
         if share is not None:
             share.stop()
+
+
+def test_the_hold_knob_sets_the_least_hold_and_is_lenient(monkeypatch):
+    """`WEIGHTCACHE_LOAD_HOLD_S` (a blip's hold, for an A/B): seconds from 0 to 60, anything
+    else the default; the share a load makes holds that long at least, and a hold above the
+    longest raises the longest with it."""
+    for text, want in (("", 1.0), ("0.5", 0.5), ("0", 0.0), ("61", 1.0), ("-1", 1.0),
+                       ("later", 1.0)):
+        monkeypatch.setenv(loadenv.HOLD_ENV, text)
+        assert loadenv.hold(1.0) == want
+    monkeypatch.delenv(loadenv.HOLD_MAX_ENV, raising=False)
+    for text, hold, longest in (("0.5", 0.5, diskshare.HOLD_MAX), ("5", 5.0, 5.0)):
+        monkeypatch.setenv(loadenv.HOLD_ENV, text)
+        share, started = diskshare.for_load()
+        try:
+            assert share is None or (started and (share.hold, share.hold_max) == (hold, longest))
+            if share is not None:
+                assert share.stats()["hold"] == hold
+        finally:
+            if share is not None:
+                share.stop()
 
 
 def _reads(tmp_path: Path, system: int, own: int) -> tuple[str, str]:

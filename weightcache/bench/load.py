@@ -63,7 +63,8 @@ at once, in turn likewise), groupbeside (READY with the model cold, the early re
 per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
 default, one job per call once the fill began, in turn likewise), holdab (READY with every
 cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
-`WEIGHTCACHE_LOAD_YIELD_READS=0`, and as it is, in turn, twice), seed (READY
+`WEIGHTCACHE_LOAD_YIELD_READS=0` or the knobs `WEIGHTCACHE_BENCH_SHARE_BEFORE` names, and as it
+is, in turn, twice), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -686,7 +687,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
                                     "model")
     _model_cold_parts(r, model_dir, files, parts, full, grid)
     if "holdab" in parts:  # READY with every cache dropped, the disk share's two holds in turn
-        for key, env in HOLD_READY.items():
+        before = share_before()
+        for key in HOLD_READY:
+            env = before if "holdbefore" in key else {}
             r[key] = _safe(key, preload_once, model_dir, files, True, env)
     # The device read once more, after the cold steps: one read of a virtual disk varied by
     # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
@@ -943,10 +946,27 @@ START_GENTLE_READY = _in_turn("gentlestart", "startgentle",
                               {"WEIGHTCACHE_LOAD_START_GENTLE_S": "0.5"})
 # READY with every cache dropped, the disk share as it was before (a fixed hold after another
 # program's faults, faults only) and as it is (the hold grows, others' reads count:
-# diskshare.HOLD_MAX, READ_FLOOR), in turn, twice.
+# diskshare.HOLD_MAX, READ_FLOOR), in turn, twice. The restart bench's `holdab` compares the
+# same two (share_before).
 SHARE_BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READS": "0"}
-HOLD_READY = {"preload_cold_holdbefore": SHARE_BEFORE, "preload_cold_holdnow": {},
-              "preload_cold_holdbefore_again": SHARE_BEFORE, "preload_cold_holdnow_again": {}}
+SHARE_BEFORE_ENV = "WEIGHTCACHE_BENCH_SHARE_BEFORE"
+HOLD_READY = ("preload_cold_holdbefore", "preload_cold_holdnow", "preload_cold_holdbefore_again",
+              "preload_cold_holdnow_again")
+
+
+def share_before() -> dict[str, str]:
+    """The share a `holdab` part compares the default with: SHARE_BEFORE, or the knobs
+    `WEIGHTCACHE_BENCH_SHARE_BEFORE` names (`NAME=VALUE` pairs, comma-separated; e.g.
+    `WEIGHTCACHE_LOAD_HOLD_S=1` to compare a shorter hold after a blip with the old one)."""
+    text = os.environ.get(SHARE_BEFORE_ENV, "").strip()
+    if not text:
+        return dict(SHARE_BEFORE)
+    pairs = [item.strip().partition("=") for item in text.split(",") if item.strip()]
+    bad = [name for name, eq, _ in pairs if not eq or not name.startswith("WEIGHTCACHE_LOAD_")]
+    if bad:
+        raise ValueError(f"{SHARE_BEFORE_ENV}={text!r}: use WEIGHTCACHE_LOAD_...=VALUE pairs, "
+                         "comma-separated")
+    return {name.strip(): value.strip() for name, _, value in pairs}
 # The early reads 64 MiB a call beside the fill too (earlyread.py), against the default, a
 # job (16 MiB) a call once the fill began.
 GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",
@@ -1229,6 +1249,8 @@ def main(argv: list[str]) -> int:
     parts = set(os.environ.get("WEIGHTCACHE_BENCH_LOAD_PARTS",
                                "attach,restart,scaling").split(","))
     grid = os.environ.get("WEIGHTCACHE_BENCH_LOAD_PROFILE_GRID", "0") == "1"
+    if "holdab" in parts:
+        share_before()  # a bad comparison is told before the first checkpoint is written
     workdir = Path(os.environ.get("WEIGHTCACHE_BENCH_LOAD_WORKDIR") or
                    tempfile.mkdtemp(prefix="wc-load-"))
     workdir.mkdir(parents=True, exist_ok=True)

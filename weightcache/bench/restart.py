@@ -361,22 +361,23 @@ def overlapped(model: Path, device: str, env: dict[str, str]) -> dict[str, Any]:
     return r
 
 
-# `holdab`: the cache path on a fresh node with the disk share as it is (a growing hold after
-# another program's faults, and others' reads seen: diskshare.HOLD_MAX, READ_FLOOR) and as it
-# was before (a fixed hold, faults only), in turn.
-BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READS": "0"}
-HOLD_AB = {"default": {}, "before": BEFORE}
-
-
 def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
-    """The fresh node's cache path with each of HOLD_AB, in turn, `rounds` times: first
-    logits, the daemon's READY, the engine's imports and the daemon's gentle seconds."""
+    """The cache path on a fresh node with the disk share as it is (a growing hold after
+    another program's faults, and others' reads seen: diskshare.HOLD_MAX, READ_FLOOR) and as
+    it was before (a fixed hold, faults only; or the share `WEIGHTCACHE_BENCH_SHARE_BEFORE`
+    names: load.share_before), in turn, `rounds` times: first logits, the daemon's READY, the
+    engine's imports and the daemon's gentle seconds."""
+    from weightcache.bench.load import SHARE_BEFORE_ENV, share_before
+
     work = Path(tempfile.mkdtemp(prefix="wc-fresh-node-"))
     env, seed = _first_start_env(work)
     out: dict[str, Any] = {"seed": seed}
+    shares = {"default": {}, "before": share_before()}
+    if os.environ.get(SHARE_BEFORE_ENV):
+        out["before_env"] = shares["before"]
     try:
         for n in range(rounds):
-            for label, extra in HOLD_AB.items():
+            for label, extra in shares.items():
                 key = f"{label}_{n + 1}"
                 out[key] = overlapped(model, device, {**env, **extra})
                 log(f"  hold-ab {key} {json.dumps(out[key])[:600]}")
@@ -384,14 +385,14 @@ def hold_ab(model: Path, device: str, rounds: int = 2) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     s: dict[str, Any] = {}
     for key, r in out.items():
-        if key == "seed":
+        if key in ("seed", "before_env"):
             continue
         disk = r.get("daemon_disk") or {}
         s[key] = {"first_logits_s": r.get("first_logits_seconds"),
                   "daemon_ready_s": r.get("daemon_ready_s"),
                   "engine_imports_s": _engine_imports(r),
                   "daemon_gentle_s": disk.get("gentle_seconds"),
-                  **{k: disk.get(k) for k in ("hold_max", "longest_hold", "reads_seen",
+                  **{k: disk.get(k) for k in ("hold", "hold_max", "longest_hold", "reads_seen",
                                               "read_events")},
                   "weights_from": r.get("weights_from")}
     out["summary"] = s
@@ -576,6 +577,10 @@ def main(argv: list[str]) -> int:
     shape = os.environ.get("WEIGHTCACHE_BENCH_RESTART_MODEL") or (
         "8b" if args.device == "cuda" else "tiny" if args.smoke else "small")
     parts = set(os.environ.get("WEIGHTCACHE_BENCH_RESTART_PARTS", "compile,fresh").split(","))
+    if "holdab" in parts:
+        from weightcache.bench.load import share_before
+
+        share_before()  # a bad comparison is told before the checkpoint is written
     workdir = Path(os.environ.get("WEIGHTCACHE_BENCH_RESTART_WORKDIR") or
                    tempfile.mkdtemp(prefix="wc-restart-"))
     workdir.mkdir(parents=True, exist_ok=True)

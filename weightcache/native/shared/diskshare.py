@@ -602,7 +602,8 @@ class DiskShare:
                 "faults": self.faults_total, "own_faults": self.own_total,
                 "counts_own": self._count_own, "fault_times": list(self.timeline),
                 "settled_at": self.settled_at, "start_gentle": self.start_gentle,
-                "hold_max": self.hold_max, "longest_hold": round(self.longest_hold, 3),
+                "hold": self.hold, "hold_max": self.hold_max,
+                "longest_hold": round(self.longest_hold, 3),
                 "reads_seen": self.reads, "read_events": self.read_events,
                 "others_read_bytes": self.others_read}
 
@@ -617,7 +618,8 @@ def for_load(disk: DiskShare | None = None, *, start_gentle: float = 0.0,
         return disk, False
     if not loadenv.yielding():
         return None, False
-    mine = DiskShare(start_gentle=start_gentle, own=own, hold_max=loadenv.hold_max(HOLD_MAX),
+    mine = DiskShare(start_gentle=start_gentle, own=own, hold=loadenv.hold(HOLD),
+                     hold_max=loadenv.hold_max(HOLD_MAX),
                      reads=loadenv.flag(loadenv.YIELD_READS_ENV, True))
     if not mine.available:
         return None, False

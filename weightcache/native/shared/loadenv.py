@@ -25,6 +25,7 @@ DIRECT_ENV = "WEIGHTCACHE_LOAD_DIRECT"
 IO_PRIORITY_ENV = "WEIGHTCACHE_LOAD_IO_PRIORITY"
 YIELD_ENV = "WEIGHTCACHE_LOAD_YIELD"
 START_GENTLE_ENV = "WEIGHTCACHE_LOAD_START_GENTLE_S"
+HOLD_ENV = "WEIGHTCACHE_LOAD_HOLD_S"
 HOLD_MAX_ENV = "WEIGHTCACHE_LOAD_HOLD_MAX_S"
 YIELD_READS_ENV = "WEIGHTCACHE_LOAD_YIELD_READS"
 HOT_STEP_ENV = "WEIGHTCACHE_LOAD_HOT_STEP_MIB"
@@ -151,6 +152,12 @@ def start_gentle(default: float) -> float:
     """`WEIGHTCACHE_LOAD_START_GENTLE_S`: seconds a rank's reads stay gentle from their start
     (diskshare.py), else `default`."""
     return _seconds(START_GENTLE_ENV, default)
+
+
+def hold(default: float) -> float:
+    """`WEIGHTCACHE_LOAD_HOLD_S`: the least a load stays gentle after a fault (a blip's hold,
+    and the start of a hold that grows: diskshare.py), else `default`."""
+    return _seconds(HOLD_ENV, default)
 
 
 def hold_max(default: float) -> float:
