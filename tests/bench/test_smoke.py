@@ -138,11 +138,19 @@ def test_lean_hotstep_runs_the_warm_steps_alone(tmp_path):
             assert summary[f"{key}_rank_gb_per_s"] > 0
 
 
-def test_lean_holdab_runs_ready_with_each_hold_in_turn(tmp_path):
+def test_lean_holdab_and_importab_run_ready_with_each_setting_in_turn(tmp_path):
     """`lean,holdab`: READY with every cache dropped with the disk share as before and as it
-    is, in turn, twice; each rank's share says which it ran with."""
-    layout = _smoke_load(tmp_path, "lean,holdab", "sharded")
+    is, in turn, twice; each rank's share says which it ran with. `importab`: likewise with
+    torch imported once the import set is read and beside its read; each rank's prefetch says
+    whether its import waited."""
+    layout = _smoke_load(tmp_path, "lean,holdab,importab", "sharded")
     summary = layout["summary"]
+    for key, waited in (("preload_cold_importafter", True), ("preload_cold_importbeside", False)):
+        for suffix in ("", "_again"):
+            assert summary[f"{key}{suffix}_ready_s"] > 0, sorted(summary)
+            prefetch = summary[f"{key}{suffix}_import_prefetch"]
+            assert (prefetch["import_waited"] is not None) is waited, prefetch
+            assert prefetch["done"] is True and prefetch["files"] > 0, prefetch
     for key, hold_max, reads in (("preload_cold_holdbefore", 1.0, False),
                                  ("preload_cold_holdnow", 3.0, True)):
         for suffix in ("", "_again"):

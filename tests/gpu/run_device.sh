@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_tp_early]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_prefetch_gil] [probe_tp_early]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -163,6 +163,13 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-order PROBE_OUT="$OUT/probe_import_order.json" \
         timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_import_order.py 2>&1 | tee "$OUT/probe_import_order.log"
       rm -rf /var/tmp/wc-order
+      ;;
+    probe_prefetch_gil)
+      # tests/gpu/probe_prefetch_gil.py: the import set's read alone, beside `import torch`, and
+      # beside a thread that holds the GIL, PROBE_ROUNDS times (default 2); no GPU.
+      shift
+      timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_prefetch_gil.py \
+        "$OUT/probe_prefetch_gil.json" "${PROBE_ROUNDS:-2}" 2>&1 | tee "$OUT/probe_prefetch_gil.log"
       ;;
     probe_tp_early)
       # tests/gpu/probe_tp_early.py: READY of a preload over every GPU (tensor-parallel) with

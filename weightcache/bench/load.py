@@ -64,7 +64,9 @@ per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, again
 default, one job per call once the fill began, in turn likewise), holdab (READY with every
 cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
 `WEIGHTCACHE_LOAD_YIELD_READS=0` or the knobs `WEIGHTCACHE_BENCH_SHARE_BEFORE` names, and as it
-is, in turn, twice), seed (READY
+is, in turn, twice), importab (READY with every cache dropped, torch imported once the
+rank's import set is read, `WEIGHTCACHE_IMPORT_SET_WAIT=1`, and beside its read, the default,
+in turn, twice), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -691,6 +693,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
         for key in HOLD_READY:
             env = before if "holdbefore" in key else {}
             r[key] = _safe(key, preload_once, model_dir, files, True, env)
+    if "importab" in parts and _import_set() is not None:  # the import after the set, in turn
+        for key, env in IMPORT_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, True, env)
     # The device read once more, after the cold steps: one read of a virtual disk varied by
     # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
     # READY is compared with the faster of the two.
@@ -952,6 +957,14 @@ SHARE_BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READ
 SHARE_BEFORE_ENV = "WEIGHTCACHE_BENCH_SHARE_BEFORE"
 HOLD_READY = ("preload_cold_holdbefore", "preload_cold_holdnow", "preload_cold_holdbefore_again",
               "preload_cold_holdnow_again")
+# READY with every cache dropped, torch imported once the import set is read
+# (`WEIGHTCACHE_IMPORT_SET_WAIT=1`) and beside its read (the default), in turn, twice. Why:
+# beside it, the import holds the GIL that the set's readers need between their system calls,
+# and the early reads wait for the set (tests/gpu/probe_prefetch_gil.py).
+IMPORT_AFTER = {"WEIGHTCACHE_IMPORT_SET_WAIT": "1"}
+IMPORT_READY = {"preload_cold_importafter": IMPORT_AFTER, "preload_cold_importbeside": {},
+                "preload_cold_importafter_again": IMPORT_AFTER,
+                "preload_cold_importbeside_again": {}}
 
 
 def share_before() -> dict[str, str]:
@@ -1119,7 +1132,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
-                *START_GENTLE_READY, *GROUP_BESIDE_READY, *HOLD_READY,
+                *START_GENTLE_READY, *GROUP_BESIDE_READY, *HOLD_READY, *IMPORT_READY,
                 "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:
