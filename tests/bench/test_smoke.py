@@ -69,7 +69,8 @@ def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     assert "fresh_node" not in report and "restart_compile" not in report
-    assert "the disk share as it is (default) and as before" in proc.stdout, proc.stdout[-2000:]
+    assert ("the disk share as it is (default) and as before, in turn (before: "
+            "WEIGHTCACHE_LOAD_HOLD_S=1)") in proc.stdout, proc.stdout[-2000:]
     # The engine's first matrix product is timed apart from its first forward.
     phases = report["hold_ab"]["default_1"]["phases"]
     assert phases["first_gemm"] > 0 and phases["first_forward"] > 0, phases
@@ -96,7 +97,8 @@ def test_the_share_a_holdab_compares_with_is_named_or_refused(monkeypatch) -> No
     monkeypatch.setenv(SHARE_BEFORE_ENV,
                        " WEIGHTCACHE_LOAD_HOLD_S=1 , WEIGHTCACHE_LOAD_HOLD_MAX_S=2")
     assert share_before() == {"WEIGHTCACHE_LOAD_HOLD_S": "1", "WEIGHTCACHE_LOAD_HOLD_MAX_S": "2"}
-    for bad in ("WEIGHTCACHE_LOAD_HOLD_S", "PATH=/tmp", "WEIGHTCACHE_LOAD_HOLD_S=1,junk"):
+    for bad in ("WEIGHTCACHE_LOAD_HOLD_S", "PATH=/tmp", "WEIGHTCACHE_LOAD_HOLD_S=1,junk",
+                "WEIGHTCACHE_LOAD_HOLD_S="):
         monkeypatch.setenv(SHARE_BEFORE_ENV, bad)
         with pytest.raises(ValueError, match=SHARE_BEFORE_ENV):
             share_before()

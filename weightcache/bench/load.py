@@ -975,7 +975,8 @@ def share_before() -> dict[str, str]:
     if not text:
         return dict(SHARE_BEFORE)
     pairs = [item.strip().partition("=") for item in text.split(",") if item.strip()]
-    bad = [name for name, eq, _ in pairs if not eq or not name.startswith("WEIGHTCACHE_LOAD_")]
+    bad = [name for name, eq, value in pairs
+           if not eq or not value.strip() or not name.strip().startswith("WEIGHTCACHE_LOAD_")]
     if bad:
         raise ValueError(f"{SHARE_BEFORE_ENV}={text!r}: use WEIGHTCACHE_LOAD_...=VALUE pairs, "
                          "comma-separated")

@@ -515,7 +515,10 @@ def _print(report: dict[str, Any]) -> None:
                   f" load, {s.get('disk_engine_imports_s')} s alone")
     ab = (report.get("hold_ab") or {}).get("summary") or {}
     if ab:
-        print("  fresh node, cache path: the disk share as it is (default) and as before, in turn")
+        before = report["hold_ab"].get("before_env")
+        named = f" (before: {' '.join(f'{k}={v}' for k, v in before.items())})" if before else ""
+        print("  fresh node, cache path: the disk share as it is (default) and as before, in turn"
+              + named)
         for key, row in ab.items():
             print(f"    {key:<10} first logits {row.get('first_logits_s')} s, daemon READY"
                   f" {row.get('daemon_ready_s')} s, engine imports {row.get('engine_imports_s')}"

@@ -104,7 +104,7 @@ WINDOW = 0.5
 # stalled behind the full queue faults only every 0.3 s or so: on the H200, a threshold of 2
 # per window let a rank's import crawl beside full-rate reads for 5 s.
 FAULTS = 1
-HOLD = 1.0
+HOLD = 1.0  # the least hold after a fault (`WEIGHTCACHE_LOAD_HOLD_S`, for an A/B)
 # Another program that keeps faulting is starting, not passing by: the hold after its last
 # fault grows with the span of its faults so far (its episode: faults at most HOLD_MAX apart),
 # from HOLD to HOLD_MAX. Why: an engine's `import transformers` reads thousands of Python files
