@@ -66,6 +66,9 @@ ENV_COMPILE_DIR = "WEIGHTCACHE_COMPILE_DIR"
 ENV_IMPORT_SET = "WEIGHTCACHE_IMPORT_SET"
 # Whether the rank imports torch only once its import set is read (1) or beside the read (0).
 ENV_IMPORT_SET_WAIT = "WEIGHTCACHE_IMPORT_SET_WAIT"
+# Whether a rank reads a cold import set in a process of its own (1) or in its own threads
+# (0, default), beside its `import torch`, which holds the GIL those threads need.
+ENV_IMPORT_SET_PROCESS = "WEIGHTCACHE_IMPORT_SET_PROCESS"
 # Whether a rank's early reads wait for its import set to be read (1, default) or start at
 # once, gentle until it is (0).
 ENV_EARLY_READS_WAIT = "WEIGHTCACHE_EARLY_READS_WAIT"

@@ -143,15 +143,19 @@ def test_lean_hotstep_runs_the_warm_steps_alone(tmp_path):
 def test_lean_holdab_and_importab_run_ready_with_each_setting_in_turn(tmp_path):
     """`lean,holdab`: READY with every cache dropped with the disk share as before and as it
     is, in turn, twice; each rank's share says which it ran with. `importab`: likewise with
-    torch imported once the import set is read and beside its read; each rank's prefetch says
-    whether its import waited."""
+    torch imported once the import set is read, the set read in a process of its own, and the
+    set read beside the import; each rank's prefetch says whether its import waited and
+    whether it read apart."""
     layout = _smoke_load(tmp_path, "lean,holdab,importab", "sharded")
     summary = layout["summary"]
-    for key, waited in (("preload_cold_importafter", True), ("preload_cold_importbeside", False)):
+    for key, waited, apart in (("preload_cold_importafter", True, False),
+                               ("preload_cold_importapart", False, True),
+                               ("preload_cold_importbeside", False, False)):
         for suffix in ("", "_again"):
             assert summary[f"{key}{suffix}_ready_s"] > 0, sorted(summary)
             prefetch = summary[f"{key}{suffix}_import_prefetch"]
             assert (prefetch["import_waited"] is not None) is waited, prefetch
+            assert prefetch["apart"] is apart, prefetch
             assert prefetch["done"] is True and prefetch["files"] > 0, prefetch
     for key, hold_max, reads in (("preload_cold_holdbefore", 1.0, False),
                                  ("preload_cold_holdnow", 3.0, True)):

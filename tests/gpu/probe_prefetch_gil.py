@@ -3,7 +3,9 @@ read (importset.Prefetch, as a rank runs it) in a fresh process whose main threa
 does nothing (`alone`), imports torch (`import`, a rank's start), or holds the GIL in long C
 calls and nothing else (`hold`: `sorted` of a large list, about a third of a second a call,
 like the longest spans of `import torch`), each with the set's pages dropped first
-(`POSIX_FADV_DONTNEED`: pages no other process maps leave the page cache).
+(`POSIX_FADV_DONTNEED`: pages no other process maps leave the page cache); and the set read
+in a process of its own while the main thread imports torch (`apart`,
+`WEIGHTCACHE_IMPORT_SET_PROCESS=1`).
 
 Why: with every cache dropped, the early reads wait for the set's read, and on an H100 VM
 that read took 0.69-1.18 s while the disk sat idle for its last half second (run75-77): the
@@ -24,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("alone", "import", "hold")
+MODES = ("alone", "import", "hold", "apart")
 
 
 def child(set_path: str, mode: str) -> None:
@@ -41,9 +43,9 @@ def child(set_path: str, mode: str) -> None:
         finally:
             os.close(fd)
     t0 = time.monotonic()
-    prefetch = importset.Prefetch(files, deep=True).start()
+    prefetch = importset.Prefetch(files, deep=True).start(apart=mode == "apart")
     holds: list[float] = []
-    if mode == "import":
+    if mode in ("import", "apart"):
         import torch  # noqa: F401
 
         holds.append(time.monotonic() - t0)
@@ -57,6 +59,7 @@ def child(set_path: str, mode: str) -> None:
             holds.append(time.monotonic() - h)
     prefetch.done.wait(120)
     stats = prefetch.stats()
+    prefetch.close()
     print(json.dumps({"mode": mode, "prefetch_s": stats["seconds"], "files": stats["files"],
                       "of_files": len(files), "read_bytes": stats["bytes"],
                       "resident_bytes": stats["resident_bytes"],

@@ -416,6 +416,14 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     if diskshare.read_faults() is not None:
         assert beside["loader"]["disk"]["settled_at"] is not None
     p.stop()
+    # Read in a process of its own (1): the same set read, the share settled, READY says so.
+    p = preload(*args, env={**env, importset.PROCESS_ENV: "1"})
+    apart = p.wait_ready(120)["rank_loads"][0]
+    assert apart["import_prefetch"]["apart"] is True and apart["import_prefetch"]["done"]
+    assert apart["import_prefetch"]["files"] > 0 and apart["import_prefetch"]["unread"] == 0
+    if diskshare.read_faults() is not None:
+        assert apart["loader"]["disk"]["settled_at"] is not None
+    p.stop()
     assert not any("import-set" in n for n in os.listdir(sock_dir))
     set_file.unlink()
     p = preload(*args, env={**env, importset.ENV: "off"})

@@ -65,8 +65,9 @@ default, one job per call once the fill began, in turn likewise), holdab (READY 
 cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
 `WEIGHTCACHE_LOAD_YIELD_READS=0` or the knobs `WEIGHTCACHE_BENCH_SHARE_BEFORE` names, and as it
 is, in turn, twice), importab (READY with every cache dropped, torch imported once the
-rank's import set is read, `WEIGHTCACHE_IMPORT_SET_WAIT=1`, and beside its read, the default,
-in turn, twice), seed (READY
+rank's import set is read, `WEIGHTCACHE_IMPORT_SET_WAIT=1`, the set read in a process of its
+own, `WEIGHTCACHE_IMPORT_SET_PROCESS=1`, and the default, the set read beside the import, in
+turn, twice), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -958,13 +959,17 @@ SHARE_BEFORE_ENV = "WEIGHTCACHE_BENCH_SHARE_BEFORE"
 HOLD_READY = ("preload_cold_holdbefore", "preload_cold_holdnow", "preload_cold_holdbefore_again",
               "preload_cold_holdnow_again")
 # READY with every cache dropped, torch imported once the import set is read
-# (`WEIGHTCACHE_IMPORT_SET_WAIT=1`) and beside its read (the default), in turn, twice. Why:
-# beside it, the import holds the GIL that the set's readers need between their system calls,
-# and the early reads wait for the set (tests/gpu/probe_prefetch_gil.py).
+# (`WEIGHTCACHE_IMPORT_SET_WAIT=1`), the set read in a process of its own
+# (`WEIGHTCACHE_IMPORT_SET_PROCESS=1`), and the default (the set read on the rank's threads
+# beside its import), in turn, twice. Why: beside it, the import holds the GIL that the set's
+# readers need between their system calls, and the early reads wait for the set
+# (tests/gpu/probe_prefetch_gil.py).
 IMPORT_AFTER = {"WEIGHTCACHE_IMPORT_SET_WAIT": "1"}
-IMPORT_READY = {"preload_cold_importafter": IMPORT_AFTER, "preload_cold_importbeside": {},
-                "preload_cold_importafter_again": IMPORT_AFTER,
-                "preload_cold_importbeside_again": {}}
+IMPORT_APART = {"WEIGHTCACHE_IMPORT_SET_PROCESS": "1"}
+IMPORT_READY = {f"preload_cold_import{label}{again}": env
+                for again in ("", "_again")
+                for label, env in (("after", IMPORT_AFTER), ("apart", IMPORT_APART),
+                                   ("beside", {}))}
 
 
 def share_before() -> dict[str, str]:

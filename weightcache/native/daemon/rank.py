@@ -162,6 +162,8 @@ def run(config: RankConfig,
             raise Stop()
         # What the last start read: read it ahead, in large reads.
         set_file, held.prefetch = prefetch or importset.start_prefetch()
+        if held.prefetch is not None and held.prefetch.child is not None:
+            diskshare.count_as_own(held.prefetch.child, reads=True)  # this start's reads
         held.early = start_early_reads(config, ckpt, held.prefetch, rules)
         clock.stamp("early_started")
         if held.prefetch is not None:
@@ -171,6 +173,7 @@ def run(config: RankConfig,
         clock.stamp("imported")
         _stop_if_asked()
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)
+        reap_when_done(held.prefetch)  # the load's shares have stopped
         _stop_if_asked()
         held.server = server.serve_shard(held.shard, config, rules, ckpt)
         held.listener = bind(config, held.path)
@@ -196,6 +199,21 @@ def run(config: RankConfig,
         return EXIT_ERROR
     finally:
         held.release()
+
+
+def reap_when_done(prefetch: importset.Prefetch | None) -> None:
+    """The process that read the import set (importset.Prefetch._fork), reaped once the set
+    is read, and no longer counted as this start's by shares made later (its pid may be
+    reused). Called once the load's disk shares have stopped (diskshare.DiskShare._own_reads)."""
+    if prefetch is None or prefetch.child is None:
+        return
+    pid = prefetch.child
+
+    def reap() -> None:
+        prefetch.close()
+        diskshare.forget_own(pid)
+
+    prefetch.when_done(reap)
 
 
 def read_input(config: RankConfig) -> tuple[Checkpoint, list[ShardRule]]:

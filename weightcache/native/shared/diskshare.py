@@ -139,14 +139,28 @@ WHO = 4  # processes named per sample with others' faults
 LOOKS = 32  # walks of /proc per share, only when others fault (a few ms each; tens on a
 # node whose /proc shows thousands of processes)
 _KIN: list[str] = []  # stat files of processes whose faults count as this one's (count_as_own)
+_KIN_IO: list[str] = []  # io files of processes whose reads count as this one's
 
 
-def count_as_own(pid: int) -> None:
+def count_as_own(pid: int, reads: bool = False) -> None:
     """From now on, every share of this process counts `pid`'s major faults as its own (a
-    rank's launcher: the same start, never another program to yield to)."""
+    rank's launcher: the same start, never another program to yield to); with `reads`, its
+    disk reads too (`read_bytes` of `/proc/<pid>/io`: a child that reads the rank's import
+    set, importset.Prefetch, until it is reaped, when the kernel adds them to this
+    process's own)."""
     path = f"/proc/{pid}/stat"
     if path not in _KIN:
         _KIN.append(path)
+    io = f"/proc/{pid}/io"
+    if reads and io not in _KIN_IO:
+        _KIN_IO.append(io)
+
+
+def forget_own(pid: int) -> None:
+    """Shares made from now on no longer count `pid` (reaped: its pid may be reused)."""
+    for kin, path in ((_KIN, f"/proc/{pid}/stat"), (_KIN_IO, f"/proc/{pid}/io")):
+        if path in kin:
+            kin.remove(path)
 
 
 def _descends(pid: int, ancestor: int, procs: dict[int, tuple[str, int, int]]) -> bool:
@@ -324,6 +338,9 @@ class DiskShare:
         # faults would be added to counts that are not its.
         self.proc = proc
         self.kin = tuple(_KIN) if kin is None else kin  # counted as own (count_as_own)
+        # Whose reads count as its own (count_as_own), where its own are this process's (a
+        # test's source stands alone).
+        self.kin_io = tuple(_KIN_IO) if io_source == SELF_IO else ()
         self._kin_last = dict.fromkeys(self.kin, 0)  # a process gone keeps its last count
         self._count_own = own  # False: this process's own faults are subtracted (module doc)
         self.available = counts[0] is not None
@@ -427,11 +444,11 @@ class DiskShare:
             # This process's reads just before and just after the system's: its own reads
             # sent in between count as its own (`_others_reading` takes the bounds that make
             # others' reads the least), never as another program's.
-            own_lo = read_own_reads(self.io_source) if self.reads else None
+            own_lo = self._own_reads() if self.reads else None
             count, disk_reads = _vmstat(self.source)
             if count is None:
                 break
-            own_hi = read_own_reads(self.io_source) if own_lo is not None else None
+            own_hi = self._own_reads() if own_lo is not None else None
             if own_hi is None:
                 disk_reads = None
             kin_before = sum(self._kin_last.values())
@@ -481,6 +498,14 @@ class DiskShare:
                 if self._settled == settled:
                     self._set(self._held or now < until, now)
             self._stop.wait(self.interval)
+
+    def _own_reads(self) -> int | None:
+        """This process's reads and its reading kin's (count_as_own). A child is reaped only
+        once the load's share has stopped (rank.py): a reap moves its count from its own file
+        to this process's, which a share running across it would see between two samples."""
+        kin = sum(read_own_reads(path) or 0 for path in self.kin_io)
+        own = read_own_reads(self.io_source)
+        return None if own is None else own + kin
 
     def _others_reading(self, samples: deque, first: tuple[int | None, int | None]) -> bool:
         """Whether others' reads within the window count as another program's fault

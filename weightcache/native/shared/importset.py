@@ -73,6 +73,16 @@ the start then writes the node's own set all the same (`needs_record`), which ad
 node has (the driver's libraries, mounted at run time) and is read from then on. READY's
 `import_prefetch.seeded` says a seed was read.
 
+Where the set is cold, its read runs beside the rank's `import torch`, which holds the GIL
+for up to 0.4 s at a time, and the readers need the GIL between their system calls. On H100 VMs
+with every cache dropped the read took 0.69-1.18 s, and the disk sat idle for the last half
+second of it while the early reads waited for it.
+`WEIGHTCACHE_IMPORT_SET_PROCESS=1` (`reads_apart`, off by default until measured on a GPU
+machine) runs the census and a cold read in a child process, forked before the rank has a
+second thread (`Prefetch._fork`). The child dies with the rank, and its reads count as the
+rank's own for the disk share until it is reaped (diskshare.count_as_own). A warm verdict
+hands the lacking files back to be read here, beside the early reads, as before.
+
 The prefetch is the first thing a rank process does (`python -m weightcache.native.daemon`
 runs `start_prefetch` before it imports the rank's own modules): those modules, numpy among
 their imports (60-200 ms of imports on a warm machine, longer from a cold disk), are in the set
@@ -87,6 +97,7 @@ import json
 import mmap
 import os
 import queue
+import signal
 import stat
 import sys
 import threading
@@ -105,6 +116,7 @@ PAGE = mmap.PAGESIZE
 ENV = constants.ENV_IMPORT_SET  # a path, or "off"; default: SET_NAME in the user's cache
 SET_NAME = constants.IMPORT_SET_NAME
 WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
+PROCESS_ENV = constants.ENV_IMPORT_SET_PROCESS
 EARLY_WAIT_ENV = constants.ENV_EARLY_READS_WAIT
 PREFETCH_ENV = constants.ENV_IMPORT_SET_PREFETCH
 WARM_ENV = constants.ENV_IMPORT_SET_WARM
@@ -135,6 +147,8 @@ PLAIN_THREADS = 8
 WARM_LACKING = 1 / 3
 COLD_FILES = 32
 CENSUS_THREADS = 16  # the census's lookers (`Prefetch._census`)
+APART_MAX = 1 << 20  # the child's one line (`Prefetch._apart`): counts, or lacking files' indices
+_PR_SET_PDEATHSIG = 1  # prctl(2): the child dies with the rank
 
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
@@ -194,6 +208,12 @@ def import_waits() -> bool:
     reads' wait), so that the import finds its pages in memory instead of faulting on the ones
     the prefetch has not reached; 0 (default) imports beside the read."""
     return loadenv.flag(WAIT_ENV, False)
+
+
+def reads_apart() -> bool:
+    """`WEIGHTCACHE_IMPORT_SET_PROCESS`: 1 reads a cold set in a process of its own
+    (`Prefetch.start`), 0 (default) in this one's threads."""
+    return loadenv.flag(PROCESS_ENV, False)
 
 
 def early_reads_wait() -> bool:
@@ -606,11 +626,17 @@ class Prefetch:
         self._on_done: list[Callable[[], None]] = []
         self._on_warm: list[Callable[[], None]] = []
         self._look = self.deep  # list directories and look sources up beside the reads
+        self.child: int | None = None  # the process reading the set (`_fork`), until reaped
+        self.apart = False  # read in a process of its own (stats)
 
-    def start(self) -> Prefetch:
+    def start(self, apart: bool | None = None) -> Prefetch:
+        """Take the census and read what it says, on threads of this process; with `apart`
+        (default: `reads_apart()`), in a process of its own (`_fork`)."""
         self._started = time.monotonic()
         if not self.files:
             self._finish()
+            return self
+        if (reads_apart() if apart is None else apart) and self._fork():
             return self
         threading.Thread(target=self._check_then_read, name="weightcache-prefetch-check",
                          daemon=True).start()
@@ -642,13 +668,27 @@ class Prefetch:
         it does need fault in beside the early reads, and the disk share goes gentle for
         them (diskshare.py), as for any program that starts."""
         _Opened.quiet.on = True
+        self._after_census(self._take_census())
+
+    def _take_census(self) -> tuple[int, list[dict[str, Any]]] | None:
+        """`_census`, timed (`census_at`); None where it failed: the full read decides."""
         try:
             census = self._census()
-        except Exception:  # no verdict: the full read decides
+        except Exception:
             census = None
         self._census_at = time.monotonic()
+        return census
+
+    @staticmethod
+    def _cold(census: tuple[int, list[dict[str, Any]]] | None) -> bool:
+        """Whether the census's verdict is a full read (a cold node, or no warm verdicts)."""
+        return census is None or (bool(census[1]) and not warm_verdicts())
+
+    def _after_census(self, census: tuple[int, list[dict[str, Any]]] | None) -> None:
+        """What the census's verdict asks for (`_check_then_read`): read all, read what is
+        lacking after the warm verdict, or nothing."""
         try:
-            if census is None or (census[1] and not warm_verdicts()):
+            if census is None or self._cold(census):
                 self._read_all(self.files)
                 return
             held, lacking = census
@@ -843,7 +883,136 @@ class Prefetch:
             self._unread += unread
 
     def stop(self) -> None:
+        """Give up: no more reads; the reading process, if any, is killed (and reaped)."""
         self._stop.set()
+        if self.child is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self.child, signal.SIGKILL)
+            self.close()
+
+    # -- a cold set read in a process of its own ------------------------------------------
+    def _fork(self) -> bool:
+        """Read the set in a child process (`_apart`), whose threads never wait for this
+        process's GIL; this process follows it (`_follow`). False (read here) where that
+        cannot be: a fork copies only the calling thread, so it is never made while this
+        process runs others (`start_prefetch` runs before any).
+
+        Why: beside the rank's `import torch`, which holds the GIL in spans of 0.2-0.4 s, the
+        set's readers, which need it between their system calls, took 0.69-1.18 s, the disk
+        idle for the last half second of it while the early reads waited (H100 VMs, runs
+        75-77); on CPU the read took twice as long beside the import as alone, and no longer
+        than alone in a process of its own (tests/gpu/probe_prefetch_gil.py). The child takes
+        the census too; where its verdict is warm it hands the files that lack pages back,
+        and they are read here, beside the early reads, as before: the share counts this
+        process's reads as its own, and a child's only once it is registered
+        (`diskshare.count_as_own`)."""
+        if threading.active_count() > 1:
+            return False
+        try:
+            r, w = os.pipe()
+        except OSError:
+            return False
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            return False
+        if pid == 0:  # pragma: no cover  (the child's coverage is not collected)
+            os.close(r)
+            self._apart(w, parent)
+        os.close(w)
+        self.child, self.apart = pid, True
+        threading.Thread(target=self._follow, args=(r,), name="weightcache-prefetch-apart",
+                         daemon=True).start()
+        return True
+
+    def _apart(self, w: int, parent: int) -> None:  # pragma: no cover  (in the child)
+        """The child: census, then the full read where it is cold; one JSON line to `w`
+        (APART_MAX bytes at most), then `os._exit`. It dies with its parent."""
+        code = 1
+        try:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:
+                return
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # never the rank's stdout (the launcher's protocol)
+                os.dup2(null, fd)
+            _Opened.quiet.on = True
+            census = self._take_census()
+            if census is None or self._cold(census):
+                self._read_all(self.files)
+                self.done.wait()
+                message: dict[str, Any] = {"done": self._snapshot()}
+            else:
+                index = {id(f): i for i, f in enumerate(self.files)}
+                message = {"census": [census[0], [index[id(f)] for f in census[1]]],
+                           "census_at": self._census_at}
+            data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+            view = memoryview(data[:APART_MAX])
+            while view:
+                view = view[os.write(w, view):]
+            code = 0
+        finally:
+            os._exit(code)
+
+    def _snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"read": self._read, "resident": self._resident,
+                    "files_read": self._files_read, "unread": self._unread,
+                    "looked_up": self._looked_up, "seconds": self._seconds,
+                    "census_at": self._census_at}
+
+    def _follow(self, r: int) -> None:
+        """This process's side: the child's line, then what it says. A census is acted on
+        here (`_after_census`: the warm verdict, the lacking files read on this process's
+        threads); a done read is counted and ends the prefetch; a child that ended without
+        a line (killed, or given up) leaves the set unread, so that it is written anew."""
+        data = b""
+        try:
+            while len(data) <= APART_MAX and (chunk := os.read(r, 1 << 16)):
+                data += chunk
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+        try:
+            message = json.loads(data) if data.endswith(b"\n") else {}
+        except ValueError:
+            message = {}
+        try:
+            if isinstance(message.get("census"), list):
+                held, idx = message["census"]
+                self._census_at = message.get("census_at")
+                self._after_census((int(held), [self.files[i] for i in idx]))
+                return
+            done = message.get("done")
+            if isinstance(done, dict):
+                with self._lock:
+                    self._read, self._resident = int(done["read"]), int(done["resident"])
+                    self._files_read, self._unread = int(done["files_read"]), int(done["unread"])
+                    self._looked_up = int(done["looked_up"])
+                    self._census_at = done.get("census_at")
+                self._seconds = float(done["seconds"])
+                self._finish()
+                return
+        except (KeyError, IndexError, TypeError, ValueError):
+            pass
+        with self._lock:
+            self._unread = max(self._unread, len(self.files) - self._files_read)
+        self._end()
+
+    def close(self) -> None:
+        """Reap the reading process, if there was one (once the load's disk share has
+        stopped: until reaped its reads are counted as its own, `/proc/<pid>/io`, and after
+        as this process's, so a share that runs across the reap could count them twice)."""
+        pid, self.child = self.child, None
+        if pid is None:
+            return
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
 
     def wait_for_import(self, timeout_s: float) -> None:
         """Hold the import until the set is read (at most `timeout_s`), if `import_waits`."""
@@ -871,6 +1040,7 @@ class Prefetch:
                     "done": self.done.is_set(), "import_waited": self.import_waited,
                     "deep": self.deep, "looked_up": self._looked_up, "seeded": self.seeded,
                     "checked_only": self.checked_only, "warm": self.warm,
+                    "apart": self.apart,
                     "warm_at": self._warm_at,  # time.monotonic(), as READY's `marks`
                     "census_at": self._census_at,
                     "started_at": self._started,  # time.monotonic(), as READY's `marks`
