@@ -7,19 +7,15 @@ prefetch forks only where its process runs no other thread (pytest's do).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
+from tests.native.test_import_set import PAGE, _entry, _file, _resident
+from tests.native.test_import_set import _warm_file as _warm
 from weightcache.native.shared import importset
-from weightcache.native.shared.coldload import drop_page_cache
-from weightcache.native.shared.residency import resident
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # Runs in a fresh interpreter: the set's entries from argv[1] (JSON), the prefetch started
 # apart, and what it did as one JSON line.
@@ -66,36 +62,6 @@ out["after_reap_own_reads"] = diskshare.read_own_reads()
 out["forgotten"] = diskshare.DiskShare().kin_io == ()
 print(json.dumps(out))
 """
-
-
-def _file(path: Path, pages: int) -> Path:
-    path.write_bytes(os.urandom(pages * PAGE))
-    os.sync()
-    drop_page_cache([path], everything=False)
-    return path
-
-
-def _warm(path: Path, pages: int) -> Path:
-    path.write_bytes(os.urandom(pages * PAGE))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.pread(fd, pages * PAGE, 0)
-    finally:
-        os.close(fd)
-    return path
-
-
-def _entry(f: Path) -> dict:
-    return {"path": str(f), "identity": importset._identity(f.stat()),
-            "ranges": [(0, f.stat().st_size)]}
-
-
-def _resident(path: Path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return resident(fd, 0, path.stat().st_size)
-    finally:
-        os.close(fd)
 
 
 def _run(files: list[dict], how: str = "read") -> dict:
