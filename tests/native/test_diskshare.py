@@ -13,6 +13,7 @@ import os
 import resource
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -692,6 +693,37 @@ def _reads(tmp_path: Path, system: int, own: int) -> tuple[str, str]:
     tmp.write_text(f"pgpgin {system // 1024}\npgmajfault 0\npswpin 0\n")
     os.replace(tmp, vmstat)
     return str(vmstat), str(io)
+
+
+def test_a_read_counted_for_the_process_before_the_system_is_not_anothers(tmp_path):
+    """The kernel counts a read for the process, then for the system (`submit_bio`). A sample
+    that read its own count between the two holds the load's own read in its own count but
+    not in the system's: as the window's base it would make that read another program's (a
+    16 MiB read, within READ_FLOOR and READ_SHARE). The next sample as the base holds no such
+    read, so only what others really read counts; a window of two samples (its monitor held
+    up) counts nothing."""
+    vmstat, io = _reads(tmp_path, 0, 0)
+    share = DiskShare(source=vmstat, io_source=io, proc=NO_PROC)
+    chunk, small = 16 * MiB, 64 * 1024  # a read of the load's; another's, below READ_FLOOR
+
+    def window(raced: bool, theirs: int, count: int) -> deque:
+        """(when, faults, own faults, system's reads, own before, own after) a read of the
+        load's every 50 ms, the base's own count ahead by one read if `raced`, and `theirs`
+        read by another program in the last 50 ms."""
+        rows = [(0.05 * n, 0, 0, n * chunk, n * chunk, n * chunk) for n in range(count)]
+        if raced:
+            rows[0] = (0.0, 0, 0, 0, chunk, chunk)
+        last = rows[-1]
+        rows[-1] = (last[0], 0, 0, last[3] + theirs, last[4], last[5])
+        return deque(rows)
+
+    assert not share._others_reading(window(True, small, 8), (0, 0)), \
+        "the load's own read passed for another program's"
+    assert not share._others_reading(window(True, 0, 2), (0, 0))
+    assert share.read_events == 0
+    assert share._others_reading(window(True, 512 * 1024, 8), (0, 0))
+    assert share._others_reading(window(False, 512 * 1024, 8), (0, 0))
+    assert share.read_events == 2
 
 
 def test_another_programs_reads_make_the_load_gentle_and_another_load_does_not(tmp_path):

@@ -515,15 +515,25 @@ class DiskShare:
         newest, oldest = samples[-1], samples[0]
         if None in (newest[3], oldest[3], first[0], first[1]) or len(samples) < 2:
             return False
+        base = samples[1] if len(samples) > 2 else None  # the second base (below)
 
-        def others(new: tuple, old: tuple) -> int:  # at least this much, never more
+        def others(new: tuple, old: tuple) -> int:  # at least this much (a raced base: below)
             return (new[3] - old[3]) - (new[5] - old[4])
 
         self.others_read = max(0, (newest[3] - first[0]) - (newest[5] - first[1]))
         prev = samples[-2]
         if prev[3] is None or others(newest, prev) <= 0:
             return False  # nobody else read since the last sample
-        theirs, own = others(newest, oldest), newest[4] - oldest[5]
+        # The kernel counts a read for the process, then for the system (`submit_bio`): a
+        # base sample whose own count was read between the two holds a read of its own that
+        # its system count lacks, and it would pass for another program's. The next sample as
+        # the base does not hold the same read, so the lesser of the two counts; a window of
+        # two samples (a monitor held up for longer than the window) has no second base and
+        # counts nothing.
+        if base is None or base[3] is None:
+            return False
+        theirs = min(others(newest, oldest), others(newest, base))
+        own = newest[4] - oldest[5]
         if READ_FLOOR <= theirs <= READ_SHARE * own:
             self.read_events += 1
             return True
