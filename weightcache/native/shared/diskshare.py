@@ -117,7 +117,8 @@ HOLD_MAX = 3.0
 # the faults: the disk's reads system-wide (`pgpgin` of /proc/vmstat, counted where a read is
 # sent to the device) less this process's (`read_bytes` of /proc/self/io, counted at the same
 # place). At least READ_FLOOR of them within WINDOW, and at most READ_SHARE of this process's
-# own reads in it, count as one more fault of another program. A program starting reads little
+# own reads in it, count as one more fault of another program (measured from each of the
+# window's first two samples, the lesser: `_others_reading`). A program starting reads little
 # and slowly behind a full queue (a read of 128 KiB each 0.2 s or so); another bulk load on the
 # node (another cache's rank, an image's layers) reads as much as this one and is not a program
 # to yield to: two loads that counted each other would hold each other gentle.
