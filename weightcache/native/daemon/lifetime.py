@@ -14,13 +14,13 @@ command that asks for the signal and then execs it; the request survives the exe
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import sys
 
-_PR_SET_PDEATHSIG = 1
+from ..shared.libc import PR_SET_PDEATHSIG as _PR_SET_PDEATHSIG
+from ..shared.libc import request_parent_death_signal
+
+__all__ = ["exiting_with_parent", "python_module", "request_parent_death_signal"]
 
 # Runs as `python -I -S -c SHIM <parent pid> <command...>`: isolated (no working directory or
 # PYTHON* variables on its path: a checkout's `operator/` would shadow the standard library),
@@ -36,17 +36,6 @@ SHIM = (
     "    print(f'cannot run {sys.argv[2]}: {exc}', file=sys.stderr)\n"
     "    sys.exit(127)\n"
 )
-
-
-def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
-    """Ask for `sig` when the parent dies; False if `parent_pid` is already gone.
-
-    The parent may die between our start and the request, in which case no signal will
-    come: the caller must stop by itself when this returns False.
-    """
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    return os.getppid() == parent_pid
 
 
 def exiting_with_parent(argv: list[str]) -> list[str]:

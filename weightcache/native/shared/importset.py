@@ -148,7 +148,6 @@ WARM_LACKING = 1 / 3
 COLD_FILES = 32
 CENSUS_THREADS = 16  # the census's lookers (`Prefetch._census`)
 APART_MAX = 1 << 20  # the child's one line (`Prefetch._apart`): counts, or lacking files' indices
-_PR_SET_PDEATHSIG = 1  # prctl(2): the child dies with the rank
 
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
 _mincore = libc.function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
@@ -680,9 +679,11 @@ class Prefetch:
         return census
 
     @staticmethod
-    def _cold(census: tuple[int, list[dict[str, Any]]] | None) -> bool:
-        """Whether the census's verdict is a full read (a cold node, or no warm verdicts)."""
-        return census is None or (bool(census[1]) and not warm_verdicts())
+    def _cold(census: tuple[int, list[dict[str, Any]]]) -> bool:
+        """Whether a census that found the set mostly in memory still asks for the full
+        read: something lacks, and warm verdicts are off. (No census at all, None, is a cold
+        node's: the callers read all then too.)"""
+        return bool(census[1]) and not warm_verdicts()
 
     def _after_census(self, census: tuple[int, list[dict[str, Any]]] | None) -> None:
         """What the census's verdict asks for (`_check_then_read`): read all, read what is
@@ -933,9 +934,7 @@ class Prefetch:
         (APART_MAX bytes at most), then `os._exit`. It dies with its parent."""
         code = 1
         try:
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != parent:
+            if not libc.request_parent_death_signal(parent, signal.SIGKILL):
                 return
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):  # never the rank's stdout (the launcher's protocol)

@@ -10,7 +10,10 @@ rank's own, made a loading rank yield the disk to itself (diskshare.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import signal
 from typing import Any
 
 try:
@@ -30,3 +33,18 @@ def function(name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any
         return None
     fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Ask for `sig` when the parent dies; False if `parent_pid` is already gone.
+
+    The parent may die between our start and the request, in which case no signal will
+    come: the caller must stop by itself when this returns False. (The signal follows the
+    parent *thread* that started this process.)
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    return os.getppid() == parent_pid
