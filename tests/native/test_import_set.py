@@ -368,7 +368,7 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     first_ready = p.wait_ready(120)["rank_loads"][0]
     first = first_ready["import_prefetch"]
     assert first["files"] == 0 and first["bytes"] == 0 and first["done"]
-    assert first["import_waited"] is None  # by default torch is imported beside the read
+    assert first["import_waited"] == 0  # by default torch waits for the set: here there is none
     set_file = tmp_path / "cache" / "weightcache" / importset.SET_NAME
     deadline = time.monotonic() + 60
     while not set_file.exists():
@@ -388,7 +388,7 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
         assert any(f.get("list") and f["path"].endswith(".dist-info") for f in files)
     p.stop()
     written = set_file.stat().st_mtime_ns
-    p = preload(*args, env={**env, importset.WAIT_ENV: "1"})
+    p = preload(*args, env=env)
     ready = p.wait_ready(120)["rank_loads"][0]
     again = ready["import_prefetch"]
     assert again["done"] and again["files"] > 0
@@ -398,7 +398,7 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     if diskshare.read_faults() is not None:
         assert ready["loader"]["disk"]["settled_at"] is not None
         assert first_ready["loader"]["disk"]["settled_at"] is None
-    # Asked to, the rank imported torch only once the set was read (it waited, and not for
+    # By default the rank imported torch only once the set was read (it waited, and not for
     # the whole bound: the set was read by then).
     assert again["import_waited"] is not None
     assert 0 <= again["import_waited"] < importset.MAX_SECONDS
@@ -409,10 +409,13 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     assert set_file.stat().st_mtime_ns == written  # it still matched: kept as it was
     # Early reads beside the set (0): they start at once, gentle until it is read (the share
     # holds them), then settle.
-    p = preload(*args, env={**env, importset.EARLY_WAIT_ENV: "0"})
+    # Torch imported beside the read too (WAIT 0): its import did not wait.
+    p = preload(*args, env={**env, importset.EARLY_WAIT_ENV: "0", importset.WAIT_ENV: "0"})
     beside = p.wait_ready(120)["rank_loads"][0]
     if beside["early"] is not None:
         assert beside["early"]["waited_seconds"] is None
+    assert beside["import_prefetch"]["import_waited"] is None
+    assert beside["import_prefetch"]["done"] and beside["import_prefetch"]["files"] > 0
     if diskshare.read_faults() is not None:
         assert beside["loader"]["disk"]["settled_at"] is not None
     p.stop()

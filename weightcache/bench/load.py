@@ -32,13 +32,12 @@ copy, restart and scaling stay CUDA-only. Cold steps on CPU evict only the check
 (`posix_fadvise(DONTNEED)`), never the whole page cache of a shared machine.
 Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID} (with OUT, every
 step's whole result is also appended to `OUT.steps.jsonl` as it ends); PARTS is a comma
-list of attach, restart, scaling (CUDA), importwait (READY cold again with torch imported
-once the import set is read), readgrid (the device read, the loader and READY with the model
-cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with the model cold
-and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), beside (READY cold, with every
-cache dropped and with the model cold, the rank's early reads starting beside its import
-set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`, then the default
-with the model cold again), noearly
+list of attach, restart, scaling (CUDA), readgrid (the device read, the loader and READY
+with the model cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with
+the model cold and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), beside (READY
+cold, with every cache dropped and with the model cold, the rank's early reads starting
+beside its import set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`,
+then the default with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
 against the warm default of one per core), hotstep (the warm preload with the fill's hash
@@ -65,9 +64,9 @@ default, one job per call once the fill began, in turn likewise), holdab (READY 
 cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
 `WEIGHTCACHE_LOAD_YIELD_READS=0` or the knobs `WEIGHTCACHE_BENCH_SHARE_BEFORE` names, and as it
 is, in turn, twice), importab (READY with every cache dropped, torch imported once the
-rank's import set is read, `WEIGHTCACHE_IMPORT_SET_WAIT=1`, the set read in a process of its
-own, `WEIGHTCACHE_IMPORT_SET_PROCESS=1`, and the default, the set read beside the import, in
-turn, twice), seed (READY
+rank's import set is read, the default, the set read in a process of its own beside the
+import, `WEIGHTCACHE_IMPORT_SET_PROCESS=1`, and the set read on the rank's threads beside
+the import, `WEIGHTCACHE_IMPORT_SET_WAIT=0`, in turn, twice), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -759,10 +758,6 @@ def _baselines_and_cold(r: dict[str, Any], model_dir: Path, files: list[Path], p
     for key, source in PROCESS_BASES.items():
         drop(files)
         r[key] = _safe(key, process_baseline, source, model_dir)
-    if full and "importwait" in parts and _import_set() is not None:  # import after the set
-        r["preload_cold_import_wait"] = _safe(
-            "preload cold, import after the set", preload_once, model_dir, files, True,
-            {"WEIGHTCACHE_IMPORT_SET_WAIT": "1"})
     if full and (grid or "noearly" in parts):  # without reading while the rank starts
         r["preload_cold_no_early"] = _safe("preload cold, early reads off", preload_once,
                                            model_dir, files, True,
@@ -958,18 +953,20 @@ SHARE_BEFORE = {"WEIGHTCACHE_LOAD_HOLD_MAX_S": "1", "WEIGHTCACHE_LOAD_YIELD_READ
 SHARE_BEFORE_ENV = "WEIGHTCACHE_BENCH_SHARE_BEFORE"
 HOLD_READY = ("preload_cold_holdbefore", "preload_cold_holdnow", "preload_cold_holdbefore_again",
               "preload_cold_holdnow_again")
-# READY with every cache dropped, torch imported once the import set is read
-# (`WEIGHTCACHE_IMPORT_SET_WAIT=1`), the set read in a process of its own
-# (`WEIGHTCACHE_IMPORT_SET_PROCESS=1`), and the default (the set read on the rank's threads
-# beside its import), in turn, twice. Why: beside it, the import holds the GIL that the set's
-# readers need between their system calls, and the early reads wait for the set
-# (tests/gpu/probe_prefetch_gil.py).
-IMPORT_AFTER = {"WEIGHTCACHE_IMPORT_SET_WAIT": "1"}
-IMPORT_APART = {"WEIGHTCACHE_IMPORT_SET_PROCESS": "1"}
+# READY with every cache dropped, torch imported once the import set is read (the default,
+# `WEIGHTCACHE_IMPORT_SET_WAIT=1`), the set read in a process of its own beside the import
+# (`WEIGHTCACHE_IMPORT_SET_PROCESS=1`), and the set read on the rank's threads beside its
+# import (`WEIGHTCACHE_IMPORT_SET_WAIT=0`, the default until runs 78-84), in turn, twice. Why:
+# beside it, the import holds the GIL that the set's readers need between their system calls,
+# and the early reads wait for the set (tests/gpu/probe_prefetch_gil.py). Each names its knobs,
+# so that the comparison holds whatever the defaults.
+IMPORT_AFTER = {"WEIGHTCACHE_IMPORT_SET_WAIT": "1", "WEIGHTCACHE_IMPORT_SET_PROCESS": "0"}
+IMPORT_APART = {"WEIGHTCACHE_IMPORT_SET_WAIT": "0", "WEIGHTCACHE_IMPORT_SET_PROCESS": "1"}
+IMPORT_BESIDE = {"WEIGHTCACHE_IMPORT_SET_WAIT": "0", "WEIGHTCACHE_IMPORT_SET_PROCESS": "0"}
 IMPORT_READY = {f"preload_cold_import{label}{again}": env
                 for again in ("", "_again")
                 for label, env in (("after", IMPORT_AFTER), ("apart", IMPORT_APART),
-                                   ("beside", {}))}
+                                   ("beside", IMPORT_BESIDE))}
 
 
 def share_before() -> dict[str, str]:
@@ -1134,7 +1131,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_wall_to_ready_s"] = _get(r, "preload_cold", "wall_to_ready_s")
     for key in ("preload_cold_first_start", "preload_cold_seeded_first_start",
                 "preload_cold_first_start_again", "preload_cold_seeded_first_start_again",
-                "preload_cold_again", "preload_cold_import_wait", "preload_cold_no_early",
+                "preload_cold_again", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,

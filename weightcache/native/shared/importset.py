@@ -73,15 +73,26 @@ the start then writes the node's own set all the same (`needs_record`), which ad
 node has (the driver's libraries, mounted at run time) and is read from then on. READY's
 `import_prefetch.seeded` says a seed was read.
 
-Where the set is cold, its read runs beside the rank's `import torch`, which holds the GIL
-for up to 0.4 s at a time, and the readers need the GIL between their system calls. On H100 VMs
-with every cache dropped the read took 0.69-1.18 s, and the disk sat idle for the last half
-second of it while the early reads waited for it.
-`WEIGHTCACHE_IMPORT_SET_PROCESS=1` (`reads_apart`, off by default until measured on a GPU
-machine) runs the census and a cold read in a child process, forked before the rank has a
-second thread (`Prefetch._fork`). The child dies with the rank, and its reads count as the
-rank's own for the disk share until it is reaped (diskshare.count_as_own). A warm verdict
-hands the lacking files back to be read here, beside the early reads, as before.
+The rank imports torch once the set is read (`import_waits`, `WEIGHTCACHE_IMPORT_SET_WAIT`,
+default 1; at most 3 s, rank.PREFETCH_WAIT_S). Beside the read, `import torch` holds the GIL
+for up to 0.4 s at a time, and the readers need the GIL between their system calls: on H100
+VMs with every cache dropped the read took 0.69-1.18 s beside the import, and the disk sat
+idle for the last half second of it while the early reads waited for it (runs 75-77).
+Measured in turn on one H100 VM (runs 78-80, 8 READYs a way over three layouts): with the
+import after the set the early reads waited 0.09-0.17 s for it, against 0.21-0.29 s beside
+it, and READY came sooner in all 6 pairs on `sharded` and `many` (0.31-0.80 s on average a
+layout) and in 1 of 2 on `single` (0.05 s on average). The import starts later, but the early
+reads start sooner, and READY waits on them. On a fresh node (run84, one pair) the engine's
+first logits came 0.64 s sooner; most of the daemon's 1.6 s sooner READY there was the disk
+share's gentle time, which the engine's own reads decide.
+`WEIGHTCACHE_IMPORT_SET_PROCESS=1` (`reads_apart`, off by default) runs the census and a cold
+read in a child process, forked before the rank has a second thread (`Prefetch._fork`). The
+child dies with the rank, and its reads count as the rank's own for the disk share until it
+is reaped (diskshare.count_as_own). A warm verdict hands the lacking files back to be read
+here, beside the early reads, as before. It lost where it was measured: the early reads
+waited 0.31-0.39 s for the set (the thread that hears the child's line needs the GIL that the
+import holds), and on a fresh node the daemon was ready 0.9-1.6 s later and the engine's
+first logits came 1.9-3.9 s later than with the set read in process (runs 81-83).
 
 The prefetch is the first thing a rank process does (`python -m weightcache.native.daemon`
 runs `start_prefetch` before it imports the rank's own modules): those modules, numpy among
@@ -203,10 +214,10 @@ def stop_watching() -> None:
 
 
 def import_waits() -> bool:
-    """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 imports torch once the set is read (at most the early
-    reads' wait), so that the import finds its pages in memory instead of faulting on the ones
-    the prefetch has not reached; 0 (default) imports beside the read."""
-    return loadenv.flag(WAIT_ENV, False)
+    """`WEIGHTCACHE_IMPORT_SET_WAIT`: 1 (default) imports torch once the set is read (at most
+    the early reads' wait), so that the readers never wait for the GIL the import holds and
+    the import finds its pages in memory; 0 imports beside the read (module doc)."""
+    return loadenv.flag(WAIT_ENV, True)
 
 
 def reads_apart() -> bool:
@@ -906,7 +917,8 @@ class Prefetch:
         the census too; where its verdict is warm it hands the files that lack pages back,
         and they are read here, beside the early reads, as before: the share counts this
         process's reads as its own, and a child's only once it is registered
-        (`diskshare.count_as_own`)."""
+        (`diskshare.count_as_own`). On H100 VMs it lost to both other ways (module doc,
+        runs 78-84), so it is off by default."""
         if threading.active_count() > 1:
             return False
         try:
