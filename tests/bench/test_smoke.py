@@ -53,6 +53,19 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
         assert summary["engine_imports_beside_load_vs_alone"] == pytest.approx(
             summary["cache_overlapped_engine_imports_s"] / summary["disk_engine_imports_s"],
             abs=1e-3), summary
+        # Each phase's use splits its wall time: on a CPU, waiting for one, off a CPU.
+        for key in ("cache_overlapped", "disk"):
+            run = fresh[key]
+            for phase in ("import_torch", "import_transformers"):
+                used, wall = run["phase_use"][phase], run["phases"][phase]
+                assert 0 < used["cpu_s"] <= wall + 0.01, (phase, used, wall)
+                parts = used["cpu_s"] + (used["runqueue_s"] or 0) + used["off_cpu_s"]
+                assert parts == pytest.approx(wall, abs=0.01), (phase, used, wall)
+                assert used["major_faults"] >= 0 and used["process_cpu_s"] >= used["cpu_s"] - 0.01
+            imports = summary[f"{key}_engine_imports_use"]
+            assert imports["cpu_s"] == pytest.approx(
+                sum(run["phase_use"][p]["cpu_s"] for p in ("import_torch", "import_transformers")),
+                abs=2e-3), (imports, run["phase_use"])
 
 
 def test_the_fresh_nodes_hold_ab_runs_both_holds_in_turn(tmp_path) -> None:

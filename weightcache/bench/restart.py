@@ -78,17 +78,60 @@ def _compile_counters() -> dict[str, Any]:
     return {"counters": keep, "slowest": top}
 
 
+def _schedstat() -> tuple[float, float] | None:
+    """This thread's seconds on a CPU and waiting for one (proc_pid_schedstat(5)); None where
+    the kernel keeps no such count (it reads `0 0 n` while sched_info is off)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            on_cpu, waiting, _ = fh.read().split()
+    except (OSError, ValueError):
+        return None
+    return (int(on_cpu) / 1e9, int(waiting) / 1e9) if int(on_cpu) else None
+
+
+def _use() -> dict[str, Any]:
+    """What the main thread and the process had used so far: CPU seconds, the seconds waiting
+    for a CPU, major page faults and bytes read from the disk."""
+    import resource
+
+    from weightcache.native.shared.diskshare import read_own_reads
+
+    sched = _schedstat()
+    return {"cpu": time.thread_time(), "process_cpu": time.process_time(),
+            "runqueue": sched[1] if sched else None,
+            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
+            "read_bytes": read_own_reads()}
+
+
+def _phase_use(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+    """One phase's use, and `off_cpu_s`: the main thread's wall time neither on a CPU nor (where
+    counted) waiting for one: blocked, mostly on the disk (its faults and reads)."""
+    d = {k: (after[k] - before[k] if None not in (after[k], before[k]) else None)
+         for k in after}
+    off = wall - d["cpu"] - (d["runqueue"] or 0.0)
+    return {"cpu_s": round(d["cpu"], 4), "process_cpu_s": round(d["process_cpu"], 4),
+            "runqueue_s": None if d["runqueue"] is None else round(d["runqueue"], 4),
+            "off_cpu_s": round(max(off, 0.0), 4), "major_faults": d["major_faults"],
+            "read_mb": None if d["read_bytes"] is None else round(d["read_bytes"] / 1e6, 2)}
+
+
 def child(source: str, model_dir: str, sock: str | None, spawned: float) -> dict[str, Any]:
     device = os.environ.get(ENV_DEVICE, "cuda")
     compile_mode = os.environ.get(ENV_COMPILE, "none")
     marks: dict[str, float] = {"interpreter": _T_MODULE - spawned}
+    # Why a phase took longer beside a loading daemon than alone (a fresh node's engine
+    # imports 1.30-1.62x as long, runs 81-84): more CPU work, a wait for a CPU, or a wait on
+    # the disk. Each phase's use says which.
+    use: dict[str, dict[str, Any]] = {}
+    last = _use()
     t = time.time()
 
     def step(name: str) -> None:
-        nonlocal t
-        now = time.time()
+        nonlocal t, last
+        now, used = time.time(), _use()
         marks[name] = now - t
-        t = now
+        use[name] = _phase_use(last, used, now - t)
+        t, last = now, used
 
     import torch
 
@@ -171,6 +214,7 @@ def child(source: str, model_dir: str, sock: str | None, spawned: float) -> dict
     info["logits_finite"] = bool(torch.isfinite(logits.float()).all().item())
     info["logits_checksum"] = round(float(logits.float()[0, -1, :64].sum().item()), 3)
     info["phases"] = {k: round(v, 4) for k, v in marks.items()}
+    info["phase_use"] = use
     # Time to first logits: everything but the steady-state second forward.
     info["first_logits_seconds"] = round(sum(v for k, v in marks.items()
                                              if k != "second_forward"), 3)
@@ -463,6 +507,20 @@ def _engine_imports(run: dict[str, Any] | None) -> float | None:
     return round(sum(parts), 3) if all(isinstance(p, (int, float)) for p in parts) else None
 
 
+def _imports_use(run: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The imports' use (`phase_use` of `import torch` and `import transformers` summed):
+    seconds on a CPU, waiting for one (null where not counted), off a CPU, and disk reads."""
+    use = (run or {}).get("phase_use") or {}
+    parts = [use.get(k) for k in ("import_torch", "import_transformers")]
+    if not all(parts):
+        return None
+    out: dict[str, Any] = {}
+    for key in ("cpu_s", "runqueue_s", "off_cpu_s", "read_mb"):
+        values = [p.get(key) for p in parts]
+        out[key] = None if None in values else round(sum(values), 3)
+    return out
+
+
 def _where_the_overlap_went(out: dict[str, Any]) -> dict[str, Any]:
     """Which of the two starts bounded the cache path: the daemon's READY, or the engine's
     imports, which read the disk beside the daemon's load (on an H100 VM, run60: transformers
@@ -479,6 +537,10 @@ def _where_the_overlap_went(out: dict[str, Any]) -> dict[str, Any]:
         s["disk_engine_imports_s"] = alone
         if beside:
             s["engine_imports_beside_load_vs_alone"] = round(beside / alone, 3)
+    for key, run in (("cache_overlapped", overlapped), ("disk", out.get("disk"))):
+        used = _imports_use(run)
+        if used is not None:
+            s[f"{key}_engine_imports_use"] = used
     return s
 
 
@@ -513,6 +575,9 @@ def _print(report: dict[str, Any]) -> None:
             print(f"    cache path: daemon READY {s.get('cache_overlapped_daemon_ready_s')} s;"
                   f" the engine's imports {s['cache_overlapped_engine_imports_s']} s beside the"
                   f" load, {s.get('disk_engine_imports_s')} s alone")
+            print("    the imports' use beside the load"
+                  f" {s.get('cache_overlapped_engine_imports_use')},"
+                  f" alone {s.get('disk_engine_imports_use')}")
     ab = (report.get("hold_ab") or {}).get("summary") or {}
     if ab:
         before = report["hold_ab"].get("before_env")
