@@ -368,7 +368,8 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     first_ready = p.wait_ready(120)["rank_loads"][0]
     first = first_ready["import_prefetch"]
     assert first["files"] == 0 and first["bytes"] == 0 and first["done"]
-    assert first["import_waited"] == 0  # by default torch waits for the set: here there is none
+    # By default torch waits for the set: here there was none, so it did not wait for one.
+    assert first["import_waited"] is not None and 0 <= first["import_waited"] < 0.5
     set_file = tmp_path / "cache" / "weightcache" / importset.SET_NAME
     deadline = time.monotonic() + 60
     while not set_file.exists():
