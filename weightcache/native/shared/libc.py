@@ -10,7 +10,6 @@ rank's own, made a loading rank yield the disk to itself (diskshare.py).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -36,6 +35,7 @@ def function(name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+_prctl = function("prctl", [ctypes.c_int, ctypes.c_ulong])
 
 
 def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
@@ -45,6 +45,6 @@ def request_parent_death_signal(parent_pid: int, sig: int = signal.SIGTERM) -> b
     come: the caller must stop by itself when this returns False. (The signal follows the
     parent *thread* that started this process.)
     """
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    if _prctl is not None:  # not Linux: nothing to ask for
+        _prctl(PR_SET_PDEATHSIG, sig)
     return os.getppid() == parent_pid
