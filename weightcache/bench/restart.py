@@ -53,6 +53,7 @@ ENV_DEVICE = "WEIGHTCACHE_BENCH_RESTART_DEVICE"
 ENV_COMPILE = "WEIGHTCACHE_BENCH_RESTART_COMPILE"
 COMPILE_MODES = ("none", "dirs", "aot")
 SOURCES = ("cache", "cache_wait", "disk", "from_pretrained")
+IMPORT_PHASES = ("import_torch", "import_transformers")  # an engine start's imports
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -503,7 +504,7 @@ def _engine_imports(run: dict[str, Any] | None) -> float | None:
     """`import torch` and `import transformers` of one engine start, in seconds; None when
     either is missing."""
     phases = (run or {}).get("phases") or {}
-    parts = [phases.get(k) for k in ("import_torch", "import_transformers")]
+    parts = [phases.get(k) for k in IMPORT_PHASES]
     return round(sum(parts), 3) if all(isinstance(p, (int, float)) for p in parts) else None
 
 
@@ -511,7 +512,7 @@ def _imports_use(run: dict[str, Any] | None) -> dict[str, Any] | None:
     """The imports' use (`phase_use` of `import torch` and `import transformers` summed):
     seconds on a CPU, waiting for one (null where not counted), off a CPU, and disk reads."""
     use = (run or {}).get("phase_use") or {}
-    parts = [use.get(k) for k in ("import_torch", "import_transformers")]
+    parts = [use.get(k) for k in IMPORT_PHASES]
     if not all(parts):
         return None
     out: dict[str, Any] = {}
