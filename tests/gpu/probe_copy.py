@@ -41,7 +41,7 @@ _EXPORTER = r"""
 import os, socket, sys, torch
 from weightcache.native.shared.transport import cuda_vmm
 sock = socket.socket(fileno=int(sys.argv[1]))
-arena = cuda_vmm.VmmArena(int(sys.argv[2]), 0)
+arena = cuda_vmm.VmmArena(int(sys.argv[2]), 0, count=1)  # one allocation: the probe maps one fd
 arena.tensor().fill_(7)
 torch.cuda.synchronize()
 meta, fds = arena.export()
@@ -57,7 +57,8 @@ sock = socket.socket(fileno=int(sys.argv[1]))
 total, n = int(sys.argv[2]), int(sys.argv[3])
 gran = cuda_vmm.granularity(0)
 each = (total // n + gran - 1) // gran * gran
-arenas = [cuda_vmm.VmmArena(min(each, total - i * each), 0) for i in range(n) if i * each < total]
+arenas = [cuda_vmm.VmmArena(min(each, total - i * each), 0, count=1)
+          for i in range(n) if i * each < total]
 fds, sizes = [], []
 for a in arenas:
     a.tensor().fill_(7)

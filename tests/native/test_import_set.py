@@ -469,6 +469,11 @@ def test_a_nodes_first_start_reads_the_seed_then_writes_its_own_set(tmp_path, so
     assert any("/torch/" in f["path"] and ".so" in f["path"] for f in files)
     assert any("/weightcache/native/shared/" in f["path"]  # the fill's module (or its bytecode)
                and "coldload" in f["path"] for f in files)
+    # The arena's transports, which a rank imports only when it allocates: read cold behind
+    # the checkpoint's reads where the seed lacked them (rank.import_for_fill).
+    for name in ("cuda_vmm", "memfd"):
+        assert any("/weightcache/native/shared/transport/" in f["path"] and name in f["path"]
+                   for f in files), name
     model = write_llama_checkpoint(tmp_path / "m", SHAPE, files=1)
     args = ("--model", str(model), "--weight-cache-socket-dir", str(sock_dir))
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")

@@ -59,6 +59,18 @@ __all__ = ["BIND_DELAY_ENV", "build_parser", "main", "run"]
 log = logging.getLogger("weightcache.daemon")
 
 
+def import_for_fill() -> tuple[Any, Any]:
+    """What a rank imports once it holds its lock, before its fill: torch with the fill and
+    the server, and the arena's transports with the driver bindings (`transport.load_all`).
+    One list for the rank and for the agent image's seed (`seedset`), so that the seed names
+    what a start reads. (loading, server)."""
+    from ..shared import transport
+    from . import loading, server
+
+    transport.load_all()
+    return loading, server
+
+
 class Stop(BaseException):
     """Raised by the signal handler while a rank loads, to abandon the load.
 
@@ -168,8 +180,7 @@ def run(config: RankConfig,
         clock.stamp("early_started")
         if held.prefetch is not None:
             held.prefetch.wait_for_import(PREFETCH_WAIT_S)
-        from . import loading, server  # torch: only now that this rank holds its lock
-
+        loading, server = import_for_fill()  # torch: only now that this rank holds its lock
         clock.stamp("imported")
         _stop_if_asked()
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)

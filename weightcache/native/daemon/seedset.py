@@ -1,15 +1,16 @@
 """`weightcache import-set record PATH`: the import set a node's first start reads ahead.
 
-A rank writes down what its start read (importset.py) and reads it ahead at its next start;
-a node's first start has nothing to read, and it is the slowest start of all (every library
-from a cold disk, behind the checkpoint's reads). This command records the set where the
-libraries are installed, typically the agent image's build (Dockerfile.agent), by importing
-what a rank imports before its fill (the rank's modules, torch and numpy with them) under the
-same audit hook a rank's start runs, after dropping the libraries from the page cache, so that
-the set is what a cold start reads, not every page an installation left in memory. No device
-is touched: the driver's libraries are the node's, and the node's own set adds them at its
-first start. The file is written 0644 in a directory others may enter (the image's build runs
-as root, its ranks as another user); `WEIGHTCACHE_IMPORT_SET_SEED` names it to the ranks.
+A rank writes down what its start read (importset.py) and reads it ahead at its next start; a
+node's first start has nothing to read, and it is the slowest start of all (every library from
+a cold disk, behind the checkpoint's reads). This command records the set where the libraries
+are installed, typically the agent image's build (Dockerfile.agent), by importing what a rank
+imports before its fill (`rank.import_for_fill`: torch, the fill, the server, the arena's
+transports and the driver bindings) under the same audit hook a rank's start runs, after
+dropping the libraries from the page cache, so that the set is what a cold start reads, not
+every page an installation left in memory. No device is touched: the driver's libraries are the
+node's, and the node's own set adds them at its first start. The file is written 0644 in a
+directory others may enter (the image's build runs as root, its ranks as another user);
+`WEIGHTCACHE_IMPORT_SET_SEED` names it to the ranks.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ def record_seed(path: Path) -> dict[str, object] | None:
     libraries (`evict_libraries`), then write the set to `path`."""
     evict_libraries()
     importset.watch_opens()
-    # What a rank imports once it holds its lock (rank.run): torch, numpy and the fill.
-    from . import loading, rank, server  # noqa: F401
+    # What a rank imports once it holds its lock (rank.run): torch, numpy, the fill, the
+    # server and the arena's transports.
+    from . import rank
+
+    rank.import_for_fill()
 
     return importset.record(path, shared=True, whole_seconds=True)
 
