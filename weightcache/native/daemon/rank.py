@@ -59,15 +59,16 @@ __all__ = ["BIND_DELAY_ENV", "build_parser", "main", "run"]
 log = logging.getLogger("weightcache.daemon")
 
 
-def import_for_fill() -> tuple[Any, Any]:
+def import_for_fill(cuda: bool = True) -> tuple[Any, Any]:
     """What a rank imports once it holds its lock, before its fill: torch with the fill and
-    the server, and the arena's transports with the driver bindings (`transport.load_all`).
-    One list for the rank and for the agent image's seed (`seedset`), so that the seed names
-    what a start reads. (loading, server)."""
+    the server, and the arena's transports, with `cuda` (a rank on a CUDA device; the seed,
+    which serves every node) the driver bindings too (`transport.load_all`). One list for the
+    rank and for the agent image's seed (`seedset`), so that the seed names what a start
+    reads. (loading, server)."""
     from ..shared import transport
     from . import loading, server
 
-    transport.load_all()
+    transport.load_all(cuda)
     return loading, server
 
 
@@ -180,7 +181,8 @@ def run(config: RankConfig,
         clock.stamp("early_started")
         if held.prefetch is not None:
             held.prefetch.wait_for_import(PREFETCH_WAIT_S)
-        loading, server = import_for_fill()  # torch: only now that this rank holds its lock
+        # torch: only now that this rank holds its lock
+        loading, server = import_for_fill(config.device == "cuda")
         clock.stamp("imported")
         _stop_if_asked()
         held.shard = loading.load(config, ckpt, rules, held.path, clock, held.early)

@@ -71,9 +71,9 @@ def _load(name: str) -> Transport | None:
     return _REGISTRY.get(name)
 
 
-def load_all() -> list[str]:
-    """Import every transport module now, and the CUDA driver bindings where installed, without
-    touching a device; the names that loaded.
+def load_all(cuda: bool = True) -> list[str]:
+    """Import every transport module now, and with `cuda` the CUDA driver bindings where
+    installed (a CPU rank never uses them), without touching a device; the names that loaded.
 
     Why: a rank imports its transport only when it allocates its arena, after its start, and a
     node's first start with the agent image's seed found these files missing from the seed:
@@ -81,9 +81,10 @@ def load_all() -> list[str]:
     start measured (runs 60-87, H100), 0.002-0.006 s in every other. A rank calls this with
     its other imports (`rank.import_for_fill`), and the seed's recording calls the same."""
     names = [name for name in _MODULES if _load(name) is not None]
-    from . import _cuda  # after the modules: a CUDA one has imported it already
+    if cuda:
+        from . import _cuda  # after the modules: a CUDA one has imported it already
 
-    _cuda.bindings_importable()
+        _cuda.bindings_importable()
     return names
 
 
