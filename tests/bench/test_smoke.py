@@ -224,9 +224,10 @@ def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_
 def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparison(tmp_path):
     """`lean` (a short GPU call for an A/B): the device reads and the model-cold READYs of the
     parts asked for (and `seed`'s first starts), none of the baselines or warm steps;
-    `startgentle`'s knob reaches the rank's share of the disk, and `groupbeside`'s the rank's
-    early reads."""
-    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle,groupbeside,seed", "many")
+    `startgentle`'s knob reaches the rank's share of the disk, `groupbeside`'s the rank's
+    early reads, and `headstart`'s the launcher."""
+    layout = _smoke_load(tmp_path, "lean,fillreads,startgentle,groupbeside,headstart,seed",
+                         "many")
     summary = layout["summary"]
     # `seed` with `lean`: a first start with no set, with the image's seed, and a later one,
     # every cache dropped, twice in turn.
@@ -253,6 +254,15 @@ def test_the_load_sections_lean_part_runs_only_the_device_reads_and_the_comparis
                       ("preload_cold_model_groupbeside_again", 4)):
         assert summary[f"{key}_ready_s"] > 0, key
         assert summary[f"{key}_early"]["beside_jobs"] == jobs, key
+    # The launcher's head start off, then on, in turn: where it asked, the rank's early reads
+    # left exactly what it asked to the fill.
+    for key, on in (("preload_cold_model", True), ("preload_cold_model_nohead", False),
+                    ("preload_cold_model_headstart_again", True),
+                    ("preload_cold_model_nohead_again", False)):
+        head = summary[f"{key}_head_start"]
+        assert summary[f"{key}_ready_s"] > 0 and (head["verdict"] != "off") is on, key
+        assert summary[f"{key}_early"]["ahead_bytes"] == (
+            head["asked_bytes"] if head["verdict"] == "asked" else 0), key
     for key in ("load_file_cold", "from_pretrained_cold", "loader_cold",
                 "load_file_process_cold", "load_file_warm", "preload_warm"):
         assert key not in layout, key

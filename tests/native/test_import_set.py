@@ -859,14 +859,14 @@ def test_a_rank_or_an_engine_starts_no_program_of_its_own_while_it_imports(tmp_p
 
 def test_a_deep_prefetch_puts_a_whole_range_in_flight_not_one_readahead_window(tmp_path):
     """One `POSIX_FADV_WILLNEED` call reads at most the kernel's readahead window of a range
-    (8 MiB here): `_ahead` asks in AHEAD_BYTES pieces, so the whole range comes in without a
+    (8 MiB here): `ahead` asks in AHEAD_BYTES pieces, so the whole range comes in without a
     read of ours."""
     size = 64 << 20
     path = _file(tmp_path / "big.so", size // PAGE)
     fd = os.open(path, os.O_RDONLY)
     try:
         assert (resident_pages(fd, 0, size) or (1, 0))[0] == 0
-        importset._ahead(fd, 0, size)
+        importset.ahead(fd, 0, size)
         deadline = time.monotonic() + 10
         while (resident_pages(fd, 0, size) or (0, 0))[0] < size // PAGE:
             assert time.monotonic() < deadline, f"only {resident_pages(fd, 0, size)} resident"

@@ -60,7 +60,9 @@ with the model cold, the rank's reads gentle for their first half second althoug
 set settled the share, `WEIGHTCACHE_LOAD_START_GENTLE_S=0.5`, against the default, full reads
 at once, in turn likewise), groupbeside (READY with the model cold, the early reads 4 jobs
 per call beside the fill too, `WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL=4`, against the
-default, one job per call once the fill began, in turn likewise), holdab (READY with every
+default, one job per call once the fill began, in turn likewise), headstart (READY with the
+model cold, the launcher's head start off, `WEIGHTCACHE_LOAD_HEAD_START_MIB=0`, against the
+default, in turn likewise), holdab (READY with every
 cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
 `WEIGHTCACHE_LOAD_YIELD_READS=0` or the knobs `WEIGHTCACHE_BENCH_SHARE_BEFORE` names, and as it
 is, in turn, twice), importab (READY with every cache dropped, torch imported once the
@@ -775,7 +777,7 @@ def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
     for part, runs in (("fillreads", FILL_READS_READY), ("readjobs", READ_JOBS_READY),
                        ("startgentle", START_GENTLE_READY),
-                       ("groupbeside", GROUP_BESIDE_READY)):
+                       ("groupbeside", GROUP_BESIDE_READY), ("headstart", HEAD_START_READY)):
         if part in parts:  # a knob's A/B, in turn with the default
             for key, env in runs.items():
                 r[key] = _safe(key, preload_once, model_dir, files, "model", env)
@@ -987,6 +989,9 @@ def share_before() -> dict[str, str]:
 # job (16 MiB) a call once the fill began.
 GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",
                               {"WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL": "4"})
+# The launcher's head start off (headstart.py), against the default: the checkpoint's first
+# 512 MiB asked of the disk before the rank runs.
+HEAD_START_READY = _in_turn("nohead", "headstart", {"WEIGHTCACHE_LOAD_HEAD_START_MIB": "0"})
 # READY with the model cold after an engine's cold start (importset.py's census): the default,
 # without the warm verdict, the default again (what the order of the runs alone moves).
 CENSUS_READY = {"preload_cold_model_restart": {},
@@ -1124,6 +1129,7 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
         s["preload_cold_disk_short_s"] = lost
     if pc:
         s["preload_cold_early"] = _early(pc)
+        s["preload_cold_head_start"] = pc.get("head_start")
         s["preload_cold_import_prefetch"] = _rank0(pc).get("import_prefetch")
         s["preload_cold_disk"] = _disk(pc)
         s["preload_cold_start_waits"] = _start_waits(_get(r, "preload_cold", "waits"))
@@ -1135,14 +1141,15 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
-                *START_GENTLE_READY, *GROUP_BESIDE_READY, *HOLD_READY, *IMPORT_READY,
-                "preload_cold_model_again"):
+                *START_GENTLE_READY, *GROUP_BESIDE_READY, *HEAD_START_READY, *HOLD_READY,
+                *IMPORT_READY, "preload_cold_model_again"):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")
             s[f"{key}_ready_vs_device_read"] = round(bound / pp["seconds"], 3)
             s[f"{key}_phases"] = _phases(pp)
             s[f"{key}_early"] = _early(pp)
+            s[f"{key}_head_start"] = pp.get("head_start")
             s[f"{key}_disk"] = _disk(pp)
             s[f"{key}_import_prefetch"] = _rank0(pp).get("import_prefetch")
             s[f"{key}_start_waits"] = _start_waits(_get(r, key, "waits"))

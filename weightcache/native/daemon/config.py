@@ -54,6 +54,10 @@ class RankConfig:
     # The launcher's word for this device's UUID: the socket's name and lock before the rank's
     # own CUDA start, checked against the device once it has a context (loading.open_device).
     device_uuid: str | None = None
+    # The launcher's head start (headstart.py): the budget it asked the disk for the
+    # checkpoint's first bytes within, before this rank ran; the early reads leave those
+    # jobs (`headstart.extents`) to the fill.
+    head_start_bytes: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RankConfig:
@@ -74,6 +78,8 @@ class RankConfig:
                 raise RankRefused(f"--device-uuid {args.device_uuid!r}: not a GPU UUID") from None
             if args.device != "cuda":
                 raise RankRefused("--device-uuid names a GPU: it needs --device cuda")
+        if args.head_start_bytes < 0:
+            raise RankRefused(f"--head-start-bytes {args.head_start_bytes}: use 0 or more")
         return cls(
             model=args.model, tp_size=tp, tp_rank=rank, global_rank=global_rank,
             dp_rank=args.dp_rank, device=args.device, device_index=index,
@@ -81,6 +87,7 @@ class RankConfig:
             dtype=args.dtype, role=canonical_role(args.role), transport=args.transport,
             allowed_uids=tuple(args.allow_uid), parent_pid=args.parent_pid,
             local_ranks=max(1, args.local_ranks), device_uuid=device_uuid,
+            head_start_bytes=args.head_start_bytes,
         )
 
 
@@ -107,4 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--local-ranks", type=int, default=1,
                    help="ranks on this node (the early reads' host memory is shared by them)")
+    p.add_argument("--head-start-bytes", type=int, default=0,
+                   help="the budget of the launcher's head start: the checkpoint's first "
+                        "bytes it asked the disk for (the early reads leave them to the fill)")
     return p

@@ -42,6 +42,7 @@ from ..shared.connection import query
 from ..shared.errors import WeightCacheError
 from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_argv, shard_rules
 from ..shared.gpu import visible_device_uuids
+from ..shared.headstart import HeadStart
 from ..shared.security import SecurityError, prepare_socket_dir
 from ..shared.sharding import ShardingError, parse_rules, plan_shard
 from .lifetime import python_module, request_parent_death_signal
@@ -49,6 +50,7 @@ from .progress import ProgressPrinter
 
 if TYPE_CHECKING:  # imported by _health_server: 25 ms (ssl, email) a start without it skips
     from http.server import ThreadingHTTPServer
+    from pathlib import Path
 
 log = logging.getLogger("weightcache.preload")
 
@@ -250,9 +252,10 @@ class PreloadRefused(ProjectError):
         self.code = code
 
 
-def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
+def _validate(args: argparse.Namespace, found: _Devices
+              ) -> tuple[list[LocalRank], list[Path]]:
     """Everything that would make a rank fail on input, checked once for all ranks; the ranks
-    this launcher serves, or PreloadRefused.
+    this launcher serves and the checkpoint's files, or PreloadRefused.
 
     Only headers are read and torch is not imported, so bad input fails in well under a
     second instead of after every rank has started.
@@ -264,7 +267,7 @@ def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
     except RankLayoutError as exc:
         raise PreloadRefused(str(exc)) from None
     try:
-        _check_model(args, tp)  # while the driver starts on the devices' thread
+        files = _check_model(args, tp)  # while the driver starts on the devices' thread
     except PreloadRefused:  # a device shortfall is reported before a bad header, as before
         _check_devices(args, layout, len(placements), found)
         raise
@@ -273,7 +276,7 @@ def _validate(args: argparse.Namespace, found: _Devices) -> list[LocalRank]:
         prepare_socket_dir(args.weight_cache_socket_dir)
     except (SecurityError, OSError) as exc:
         raise PreloadRefused(f"socket directory refused: {exc}", EXIT_SECURITY) from None
-    return placements
+    return placements, files
 
 
 def _check_devices(args: argparse.Namespace, layout: Layout, local: int, found: _Devices
@@ -293,8 +296,9 @@ def _check_devices(args: argparse.Namespace, layout: Layout, local: int, found: 
                              f"more than the {devices} {args.device} device(s) here")
 
 
-def _check_model(args: argparse.Namespace, tp: int) -> None:
-    """Every header and the shard rules' divisibility; warn when no rule splits anything."""
+def _check_model(args: argparse.Namespace, tp: int) -> list[Path]:
+    """Every header and the shard rules' divisibility; warn when no rule splits anything.
+    The checkpoint's files."""
     try:
         rules = parse_rules(shard_rules(args))
         ckpt = open_checkpoint(args.model)
@@ -311,6 +315,7 @@ def _check_model(args: argparse.Namespace, tp: int) -> None:
             "replicated, each of the %d ranks holds the whole model; give --shard-rule "
             "REGEX=DIM for this architecture (or --no-shard-rules to replicate on purpose)",
             len(ckpt.tensors), args.model, tp)
+    return ckpt.files
 
 
 # What READY carries of each rank's SERVING line (docs/native.md, "READY").
@@ -318,7 +323,7 @@ RANK_LOAD_FIELDS = ("load_gb_per_s", "phases", "loader", "early", "import_prefet
 
 
 def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1,
-              device_uuid: str | None = None) -> list[str]:
+              device_uuid: str | None = None, head_start: int = 0) -> list[str]:
     cmd = [
         *python_module("weightcache.native.daemon"),
         *shard_argv(args.model, args.tensor_parallel_size, args.dtype, shard_rules(args)),
@@ -338,6 +343,8 @@ def _rank_cmd(args: argparse.Namespace, place: LocalRank, local_ranks: int = 1,
         cmd += ["--transport", args.transport]
     if device_uuid is not None:
         cmd += ["--device-uuid", device_uuid]
+    if head_start:
+        cmd += ["--head-start-bytes", str(head_start)]
     return cmd
 
 
@@ -395,9 +402,12 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()  # READY's seconds count the checks too
     args = build_parser().parse_args(argv)
     found = _Devices(args.device)
+    head = HeadStart()  # the checkpoint's first bytes asked for before the ranks run
+    if args.tensor_parallel_size == 1:
+        head.judge()  # is the ranks' import set in memory? looked at beside the checks
     logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
     try:
-        placements = _validate(args, found)
+        placements, files = _validate(args, found)
     except KeyboardInterrupt:  # Ctrl-C before anything started: nothing to clean up
         return 130
     except PreloadRefused as exc:
@@ -421,6 +431,7 @@ def main(argv: list[str]) -> int:
     ranks: list[Rank] = []
     health: ThreadingHTTPServer | None = None
     marks = {"main": started, "validated": time.monotonic()}
+    asked = head.begin(files, whole_files=args.tensor_parallel_size == 1)
     try:
         if args.weight_cache_health_port is not None:
             try:
@@ -434,7 +445,7 @@ def main(argv: list[str]) -> int:
             _emit("HEALTH " + json.dumps({"url": f"http://{host}:{port}/health"}))
         for place in placements:
             proc = subprocess.Popen(_rank_cmd(args, place, len(placements),
-                                              found.uuid(place.local)),
+                                              found.uuid(place.local), asked),
                                     stdout=subprocess.PIPE, text=True,
                                     stdin=subprocess.DEVNULL)
             r = Rank(place, proc, wake)
@@ -478,7 +489,8 @@ def main(argv: list[str]) -> int:
                     "global_ranks": [r.place.global_rank for r in ranks],
                     "tp_ranks": [r.place.tp_rank for r in ranks],
                     "dp_ranks": [r.place.dp_rank for r in ranks],
-                    "marks": marks,
+                    "head_start": head.stats(),
+                    "marks": {**marks, **head.marks},
                 }))
             wake.wait(0.05)  # a rank's SERVING line or exit, or the next look
             wake.clear()

@@ -33,7 +33,7 @@ from weightcache.contracts.vocabulary import (
     EXIT_SECURITY,
 )
 
-from ..shared import diskshare, importset, limits, loadenv, tpshare
+from ..shared import diskshare, headstart, importset, limits, loadenv, tpshare
 from ..shared.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from ..shared.earlyread import EarlyReads, default_budget
 from ..shared.identity import device_identity, socket_path
@@ -155,8 +155,8 @@ def run(config: RankConfig,
     if exec_at is not None:
         clock.stamp("exec", exec_at)
     clock.stamp("run")
-    if config.parent_pid is not None:  # the launcher: its faults are this start's own
-        diskshare.count_as_own(config.parent_pid)
+    if config.parent_pid is not None:  # the launcher: its faults and reads (its head start,
+        diskshare.count_as_own(config.parent_pid, reads=True)  # headstart.py) are this start's
     _Serving.abandon = False  # a stop signal from here waits until `held` owns the lock
     try:
         ckpt, rules = read_input(config)
@@ -307,12 +307,15 @@ def start_early_reads(config: RankConfig, ckpt: Checkpoint,
             after = None
         prefetch.when_warm(share.settle)
         prefetch.when_done(lambda: share.settle() if prefetch.whole() else share.let_go())
-    plan = None
+    plan, ahead = None, None
+    if config.tp_size == 1 and config.head_start_bytes:  # the launcher's asks: the fill's
+        ahead = headstart.extents(ckpt.files, config.head_start_bytes)
     if config.tp_size > 1:
         plan = functools.partial(tpshare.own_chunks, ckpt, rules if rules is not None else
                                  parse_rules(config.shard_rules), config.tp_size,
                                  config.tp_rank, config.dtype)
-    return EarlyReads(ckpt.files, budget, disk=disk, plan=plan).start(after, PREFETCH_WAIT_S)
+    return EarlyReads(ckpt.files, budget, disk=disk, plan=plan, ahead=ahead).start(
+        after, PREFETCH_WAIT_S)
 
 
 PREFETCH_WAIT_S = 3.0  # the early reads wait at most this long for the import set

@@ -212,7 +212,7 @@ class EarlyReads:
                  disk: DiskShare | None = None, share: dict[Path, set[int]] | None = None,
                  own: dict[Path, set[int]] | None = None,
                  plan: Callable[[], tuple[dict[Path, set[int]], dict[Path, set[int]]]] | None
-                 = None) -> None:
+                 = None, ahead: dict[Path, int] | None = None) -> None:
         # The disk's share (diskshare.py): the early reads and then the fill yield to the
         # rank's own import and to any other program starting; close() stops it.
         self.disk = disk
@@ -255,6 +255,10 @@ class EarlyReads:
         self._share = None if share is None else {Path(p): c for p, c in share.items()}
         self._own = None if own is None else {Path(p): c for p, c in own.items()}
         self._plan = plan
+        # The launcher's head start (headstart.py): per file, the end of what it asked the
+        # disk for. Those jobs are the fill's (a copy from the page cache), never read here.
+        self._ahead = {Path(p): end for p, end in (ahead or {}).items()}
+        self.ahead_bytes = 0  # the bytes of such jobs
         self._planned = threading.Event()
         if plan is None:
             self._planned.set()
@@ -306,7 +310,11 @@ class EarlyReads:
         to the readers at once (or the file closed, if the fill began meanwhile)."""
         spans: list[tuple[int, int, int]] = []
         room, left = 0, self._budget - self.budget  # only the opener cuts
+        asked = self._ahead.get(path, 0)
         for start, end in self._spans(path, ident.size):
+            if end <= asked:
+                self.ahead_bytes += end - start
+                continue
             size = (end - start) + (-(end - start)) % PAGE + PAGE
             if room + size > left:
                 break
@@ -569,7 +577,8 @@ class EarlyReads:
     def stats(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget, "read_bytes": self.read_bytes,
                 "direct_bytes": self.direct_bytes, "taken_bytes": self.taken_bytes,
-                "resident_bytes": self.resident_bytes, "idle_io": self.idle_io,
+                "resident_bytes": self.resident_bytes, "ahead_bytes": self.ahead_bytes,
+                "idle_io": self.idle_io,
                 "seconds": round(self.seconds, 3), "waited_seconds": self.waited,
                 "after_accept_bytes": self.after_accept_bytes,
                 "claimed_bytes": self.claimed_bytes, "asked_bytes": self.asked_bytes,

@@ -158,6 +158,7 @@ PLAIN_THREADS = 8
 WARM_LACKING = 1 / 3
 COLD_FILES = 32
 CENSUS_THREADS = 16  # the census's lookers (`Prefetch._census`)
+WARM_SAMPLE = 8  # the largest files `looks_warm` looks at
 APART_MAX = 1 << 20  # the child's one line (`Prefetch._apart`): counts, or lacking files' indices
 
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/run/")  # no disk behind them
@@ -440,36 +441,61 @@ def _seed_identity(seed: Path | None) -> list[int] | None:
 
 
 def start_prefetch() -> tuple[Path | None, Prefetch | None]:
-    """(where the set lives, its prefetch started now); (None, None) when turned off. Never
-    raises: a start must not fail over a read-ahead.
-
-    The node's own set, else the image's seed. Also the seed where the node's set was recorded
-    under another seed than the image has now: the agent was upgraded, and the set names the
-    old image's files, every one of which would be skipped as changed, leaving the start as
-    slow as a first start with no set."""
+    """(where the set lives, its prefetch of the files `chosen` names, started now); (None,
+    None) when turned off. Never raises: a start must not fail over a read-ahead."""
     try:
-        found = set_path()
-        if found is None:
+        if set_path() is None:
             return None, None
         watch_opens()  # for this start's record, if it writes one
         _Opened.quiet.on = True  # the sets are not what the start reads
         try:
-            recorded: dict[str, Any] = {}
-            files, seeded = load(found, meta=recorded), False
-            seed = seed_path()
-            image = _seed_identity(seed)
-            upgraded = image is not None and recorded.get("seed") not in (None, image)
-            # A node's first start (or a set we could not trust), or a set of another image's
-            # files (an upgrade): the seed, written by root where the image was built, or by
-            # this user. The node's set stays where no seed can be read.
-            if ((not files or upgraded) and seed is not None
-                    and (seed_files := load(seed, owners=(os.getuid(), 0)))):
-                files, seeded = seed_files, True
+            found, files, seeded = chosen()
         finally:
             _Opened.quiet.on = False
         return found, Prefetch(files, seeded=seeded).start()
     except Exception:  # an unreadable home, a thread that cannot start: no read-ahead
         return None, None
+
+
+def chosen() -> tuple[Path | None, list[dict[str, Any]], bool]:
+    """(where the node's set lives, the files a start reads ahead, whether they are the
+    seed's); (None, [], False) when turned off.
+
+    The node's own set, else the image's seed. Also the seed where the node's set was recorded
+    under another seed than the image has now: the agent was upgraded, and the set names the
+    old image's files, every one of which would be skipped as changed, leaving the start as
+    slow as a first start with no set."""
+    found = set_path()
+    if found is None:
+        return None, [], False
+    recorded: dict[str, Any] = {}
+    files, seeded = load(found, meta=recorded), False
+    seed = seed_path()
+    image = _seed_identity(seed)
+    upgraded = image is not None and recorded.get("seed") not in (None, image)
+    # A node's first start (or a set we could not trust), or a set of another image's files
+    # (an upgrade): the seed, written by root where the image was built, or by this user.
+    # The node's set stays where no seed can be read.
+    if ((not files or upgraded) and seed is not None
+            and (seed_files := load(seed, owners=(os.getuid(), 0)))):
+        files, seeded = seed_files, True
+    return found, files, seeded
+
+
+def looks_warm(files: list[dict[str, Any]], sample: int = WARM_SAMPLE) -> bool:
+    """Whether the page cache holds the set's `sample` largest files but for at most
+    WARM_LACKING of their bytes: the census's warm verdict (`Prefetch._census`) from a few
+    looks, for a launcher that decides before its rank runs (headstart.py). A restart finds
+    those in memory; a node whose page cache was dropped, or one new to the image, does not.
+    An empty set is not warm: nothing says the libraries are in memory."""
+    weighed = sorted(((sum(end - start for start, end in f["ranges"]), f) for f in files
+                      if not f.get("list")), key=lambda pair: -pair[0])[:sample]
+    total = lacked = 0
+    for size, f in weighed:
+        look = _look_at(f)
+        total += size
+        lacked += size if look is None else look[2] * PAGE
+    return total > 0 and lacked <= WARM_LACKING * total
 
 
 def load(path: Path, owners: tuple[int, ...] | None = None,
@@ -524,7 +550,7 @@ def load(path: Path, owners: tuple[int, ...] | None = None,
     return good
 
 
-def _ahead(fd: int, start: int, end: int) -> None:
+def ahead(fd: int, start: int, end: int) -> None:
     """Ask the kernel to read [start, end) of `fd` into the page cache, without waiting."""
     with contextlib.suppress(OSError):
         for pos in range(start, end, AHEAD_BYTES):
@@ -836,7 +862,7 @@ class Prefetch:
                     continue
                 missing.append((pos, end))
                 if self.deep:  # all of it in flight now; the reads below wait for it
-                    _ahead(fd, pos, end)
+                    ahead(fd, pos, end)
             if self._look:
                 self._look_up(f["path"])
             for pos, end in missing:

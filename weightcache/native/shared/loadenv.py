@@ -30,6 +30,9 @@ HOLD_MAX_ENV = "WEIGHTCACHE_LOAD_HOLD_MAX_S"
 YIELD_READS_ENV = "WEIGHTCACHE_LOAD_YIELD_READS"
 HOT_STEP_ENV = "WEIGHTCACHE_LOAD_HOT_STEP_MIB"
 MAX_HOT_STEP_MIB = 256
+HEAD_START_ENV = "WEIGHTCACHE_LOAD_HEAD_START_MIB"
+DEFAULT_HEAD_START_MIB = 512  # headstart.py: about what the disk reads before a rank's first read
+MAX_HEAD_START_MIB = 16 << 10
 
 T = TypeVar("T")
 
@@ -110,11 +113,21 @@ def _hot_step(value: str | None, default: int) -> int:
     return mib * MiB
 
 
+def _head_start(value: str | None) -> int:
+    if value is None or not value.strip():
+        return DEFAULT_HEAD_START_MIB * MiB
+    mib = whole_number(HEAD_START_ENV, value, 0, "a whole number of MiB")
+    if mib > MAX_HEAD_START_MIB:
+        raise ValueError(f"{HEAD_START_ENV}={value!r}: use 0 to {MAX_HEAD_START_MIB} (MiB)")
+    return mib * MiB
+
+
 def check() -> None:
     """Every knob as the loader will read it; ValueError naming the first bad one."""
     _positive(THREADS_ENV, os.environ.get(THREADS_ENV), 1)
     _chunk(os.environ.get(CHUNK_ENV))
     _hot_step(os.environ.get(HOT_STEP_ENV), MiB)
+    _head_start(os.environ.get(HEAD_START_ENV))
     direct_mode(os.environ.get(DIRECT_ENV))
     io_priority(os.environ.get(IO_PRIORITY_ENV))
     yield_mode(os.environ.get(YIELD_ENV))
@@ -176,6 +189,13 @@ def hot_step(default: int) -> int:
     """`WEIGHTCACHE_LOAD_HOT_STEP_MIB`: the piece a page-cache read is copied and then hashed
     in (coldload.HOT_STEP), 1 to 256 MiB, else `default`."""
     return _lenient(lambda: _hot_step(os.environ.get(HOT_STEP_ENV), default), default)
+
+
+def head_start() -> int:
+    """`WEIGHTCACHE_LOAD_HEAD_START_MIB`: the checkpoint's bytes a launcher asks the disk for
+    before its ranks read (headstart.py), 0 for none; unset or bad, DEFAULT_HEAD_START_MIB."""
+    return _lenient(lambda: _head_start(os.environ.get(HEAD_START_ENV)),
+                    DEFAULT_HEAD_START_MIB * MiB)
 
 
 def direct() -> bool | str:
