@@ -38,7 +38,6 @@ from weightcache.contracts.vocabulary import EXIT_BAD_INPUT, EXIT_SECURITY
 from weightcache.errors import ProjectError
 
 from ..shared.checkpoint import CheckpointError, open_checkpoint, tied_aliases
-from ..shared.connection import query
 from ..shared.errors import WeightCacheError
 from ..shared.flags import add_allow_uid_flag, add_shard_flags, shard_argv, shard_rules
 from ..shared.gpu import visible_device_uuids
@@ -121,6 +120,10 @@ def _answers(path: str, timeout: float) -> bool:
     even `busy` proves the process runs.) Asked through the checked connect: only a process
     of our uid at the rank's path counts, so a stranger's listener swapped in behind the path
     cannot answer for a stopped rank."""
+    # Here, not at the top: the connection and its protocol (msgpack) are 15-20 ms of
+    # imports, and nothing asks a rank before it serves; the ranks start without them.
+    from ..shared.connection import query
+
     try:
         query(path, "hello", timeout=timeout)
         return True
