@@ -7,6 +7,7 @@ Real files, a real page cache (`POSIX_FADV_DONTNEED`, `cachestat`/`mincore` thro
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from weightcache.native.shared.earlyread import (
 from weightcache.native.shared.headstart import HeadStart, extents
 from weightcache.native.shared.residency import resident, resident_pages
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
+
+from .conftest import wait_until
 
 MiB = 1 << 20
 CHUNK = 2 * MiB  # jobs of 1 MiB (grid_span(span_of(2 MiB))): several groups a file
@@ -200,3 +203,59 @@ def test_a_restart_asks_its_head_start_and_serves_the_same_content(tmp_path, soc
                                  "files": 0}
     assert off["rank_loads"][0]["early"]["ahead_bytes"] == 0
     assert query(off["sockets"][0], "hello")["content"] == digest
+
+
+def _set_file(path: Path, libraries: list[Path]) -> Path:
+    path.write_text(json.dumps({"version": importset.VERSION,
+                                "files": [_entry(f) for f in libraries]}))
+    path.chmod(0o600)
+    return path
+
+
+def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
+    """The launcher's side alone, on real files: a set whose libraries are in memory gets the
+    checkpoint's first groups asked of the disk (in the page cache once the asks are done,
+    where they were not before); a cold set, tensor-parallel ranks, or a look that never
+    came (`late`) ask nothing, and say why."""
+    monkeypatch.delenv("WEIGHTCACHE_EARLY_READ_JOBS", raising=False)
+    monkeypatch.delenv(importset.SEED_ENV, raising=False)
+    libs = [_warm(tmp_path / f"lib{i}.so", 64) for i in range(2)]
+    model = write_llama_checkpoint(tmp_path / "m", SMALL, files=3)
+    files = open_checkpoint(model).files
+    budget = files[0].stat().st_size + 5 * MiB
+    want = extents(files, budget, CHUNK)
+    monkeypatch.setenv("WEIGHTCACHE_LOAD_CHUNK_MIB", str(CHUNK // MiB))
+    monkeypatch.setenv(importset.ENV, str(_set_file(tmp_path / "set.json", libs)))
+    drop_page_cache(files, everything=False)
+    fd = os.open(files[0], os.O_RDONLY)
+    was = resident_pages(fd, 0, files[0].stat().st_size)
+    os.close(fd)
+    if was is None or was[0] != 0 or not all(_resident(f) for f in libs):
+        pytest.skip("this file system keeps no page cache the test can drop or hold")
+
+    head = HeadStart(budget).judge()
+    assert head.begin(files, whole_files=True) == budget
+    assert wait_until(lambda: "head_asked" in head.marks, 30)
+    assert head.stats() == {"verdict": "asked", "budget_bytes": budget,
+                            "asked_bytes": sum(want.values()), "files": len(want)}
+    for path, end in want.items():  # the kernel read them (or is still reading them)
+        assert wait_until(lambda p=path, e=end: _resident(p, 0, e), 30), path
+
+    assert HeadStart(budget).judge().begin(files, whole_files=False) == 0
+    tp = HeadStart(budget)
+    assert tp.begin(files, whole_files=False) == 0 and tp.verdict == "tensor-parallel"
+    late = HeadStart(budget)  # never judged: the spawn waits JUDGE_WAIT_S, then goes
+    assert late.begin(files, whole_files=True) == 0 and late.verdict == "late"
+
+    drop_page_cache(libs, everything=False)
+    cold = HeadStart(budget).judge()
+    assert cold.begin(files, whole_files=True) == 0
+    assert cold.verdict == "set cold" and cold.stats()["asked_bytes"] == 0
+
+
+def _resident(path: Path, start: int = 0, length: int | None = None) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident(fd, start, path.stat().st_size - start if length is None else length)
+    finally:
+        os.close(fd)

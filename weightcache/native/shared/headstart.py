@@ -84,18 +84,22 @@ class HeadStart:
 
     def __init__(self, budget: int | None = None) -> None:
         self.budget = loadenv.head_start() if budget is None else max(0, budget)
-        self.verdict = "off" if self.budget <= 0 else "judging"
+        self.verdict = "off" if self.budget <= 0 else "judging"  # `begin` decides it
         self.asked = 0
         self.files = 0
         self.marks: dict[str, float] = {}
+        self._look = "not looked"  # what `_judge` found, once `_judged` is set
         self._judged = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def judge(self) -> HeadStart:
         """Start looking at the import set, off the caller's thread."""
         if self.budget > 0:
-            threading.Thread(target=self._judge, name="weightcache-head-judge",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._judge, name="weightcache-head-judge",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread: no head start
+                self._look = "failed: no thread"
+                self._judged.set()
         return self
 
     def _judge(self) -> None:
@@ -104,13 +108,13 @@ class HeadStart:
 
             found, files, _ = importset.chosen()
             if found is None:
-                self.verdict = "no set"
+                self._look = "no set"
             elif not files:
-                self.verdict = "empty set"
+                self._look = "empty set"
             else:
-                self.verdict = "warm" if importset.looks_warm(files) else "set cold"
+                self._look = "warm" if importset.looks_warm(files) else "set cold"
         except Exception as exc:  # a head start never fails a start
-            self.verdict = f"failed: {type(exc).__name__}"
+            self._look = f"failed: {type(exc).__name__}"
         finally:
             self._judged.set()
 
@@ -126,12 +130,16 @@ class HeadStart:
         if not self._judged.wait(JUDGE_WAIT_S):
             self.verdict = "late"  # a rank that waits for it would lose what it could save
             return 0
-        if self.verdict != "warm":
+        self.verdict = self._look
+        if self._look != "warm":
+            return 0
+        try:
+            threading.Thread(target=self._ask, args=(files,), name="weightcache-head-start",
+                             daemon=True).start()
+        except RuntimeError:
+            self.verdict = "failed: no thread"
             return 0
         self.verdict = "asked"
-        self._thread = threading.Thread(target=self._ask, args=(files,),
-                                        name="weightcache-head-start", daemon=True)
-        self._thread.start()
         return self.budget
 
     def _ask(self, files: list[Path | str]) -> None:
