@@ -32,6 +32,7 @@ from weightcache.native.shared.residency import resident, resident_pages
 from weightcache.testing.checkpoints import LlamaShape, write_llama_checkpoint
 
 from .conftest import wait_until
+from .test_import_set import _entry, _file, _resident, _warm_file
 
 MiB = 1 << 20
 CHUNK = 2 * MiB  # jobs of 1 MiB (grid_span(span_of(2 MiB))): several groups a file
@@ -85,35 +86,20 @@ def test_the_knob_is_checked_for_a_rank_and_lenient_for_a_launcher(monkeypatch):
         assert loadenv.head_start() == loadenv.DEFAULT_HEAD_START_MIB * MiB
 
 
-def _cold(path: Path, pages: int) -> Path:
-    path.write_bytes(os.urandom(pages * 4096))
-    os.sync()
-    drop_page_cache([path], everything=False)
-    return path
 
-
-def _warm(path: Path, pages: int) -> Path:
-    path.write_bytes(os.urandom(pages * 4096))
-    path.read_bytes()
-    return path
-
-
-def _entry(f: Path) -> dict:
-    return {"path": str(f), "identity": importset._identity(f.stat()),
-            "ranges": [(0, f.stat().st_size)]}
 
 
 def test_a_set_looks_warm_by_its_largest_files(tmp_path):
     """The launcher's verdict (`looks_warm`) weighs the set's largest files, as the census
     weighs all: a set whose big libraries are in memory is warm although small files lack;
     one whose big libraries are out is not; an empty set never is."""
-    big = [_warm(tmp_path / f"big{i}.so", 64) for i in range(3)]
+    big = [_warm_file(tmp_path / f"big{i}.so", 64) for i in range(3)]
     fd = os.open(big[0], os.O_RDONLY)
     kept = resident(fd, 0, big[0].stat().st_size)
     os.close(fd)
     if not kept:
         pytest.skip("this kernel keeps no page cache for the test's files")
-    small = [_cold(tmp_path / f"small{i}.pyc", 1) for i in range(6)]
+    small = [_file(tmp_path / f"small{i}.pyc", 1) for i in range(6)]
     files = [_entry(f) for f in (*big, *small)]
     assert importset.looks_warm(files, sample=8)
     drop_page_cache(big, everything=False)
@@ -219,7 +205,7 @@ def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
     came (`late`) ask nothing, and say why."""
     monkeypatch.delenv("WEIGHTCACHE_EARLY_READ_JOBS", raising=False)
     monkeypatch.delenv(importset.SEED_ENV, raising=False)
-    libs = [_warm(tmp_path / f"lib{i}.so", 64) for i in range(2)]
+    libs = [_warm_file(tmp_path / f"lib{i}.so", 64) for i in range(2)]
     model = write_llama_checkpoint(tmp_path / "m", SMALL, files=3)
     files = open_checkpoint(model).files
     budget = files[0].stat().st_size + 5 * MiB
@@ -251,11 +237,3 @@ def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
     cold = HeadStart(budget).judge()
     assert cold.begin(files, whole_files=True) == 0
     assert cold.verdict == "set cold" and cold.stats()["asked_bytes"] == 0
-
-
-def _resident(path: Path, start: int = 0, length: int | None = None) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return resident(fd, start, path.stat().st_size - start if length is None else length)
-    finally:
-        os.close(fd)
