@@ -220,20 +220,19 @@ def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
         pytest.skip("this file system keeps no page cache the test can drop or hold")
 
     head = HeadStart(budget).judge()
-    assert head.begin(files, whole_files=True) == budget
+    assert head.begin(files) == budget
     assert wait_until(lambda: "head_asked" in head.marks, 30)
     assert head.stats() == {"verdict": "asked", "budget_bytes": budget,
                             "asked_bytes": sum(want.values()), "files": len(want)}
     for path, end in want.items():  # the kernel read them (or is still reading them)
         assert wait_until(lambda p=path, e=end: _resident(p, 0, e), 30), path
 
-    assert HeadStart(budget).judge().begin(files, whole_files=False) == 0
-    tp = HeadStart(budget)
-    assert tp.begin(files, whole_files=False) == 0 and tp.verdict == "tensor-parallel"
+    tp = HeadStart(budget, whole_files=False).judge()  # no look: nothing could come of it
+    assert tp.begin(files) == 0 and tp.verdict == "tensor-parallel"
     late = HeadStart(budget)  # never judged: the spawn waits JUDGE_WAIT_S, then goes
-    assert late.begin(files, whole_files=True) == 0 and late.verdict == "late"
+    assert late.begin(files) == 0 and late.verdict == "late"
 
     drop_page_cache(libs, everything=False)
     cold = HeadStart(budget).judge()
-    assert cold.begin(files, whole_files=True) == 0
+    assert cold.begin(files) == 0
     assert cold.verdict == "set cold" and cold.stats()["asked_bytes"] == 0

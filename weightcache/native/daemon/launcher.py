@@ -405,9 +405,9 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()  # READY's seconds count the checks too
     args = build_parser().parse_args(argv)
     found = _Devices(args.device)
-    head = HeadStart()  # the checkpoint's first bytes asked for before the ranks run
-    if args.tensor_parallel_size == 1:
-        head.judge()  # is the ranks' import set in memory? looked at beside the checks
+    # The checkpoint's first bytes asked for before the ranks run, where the ranks' import set
+    # is in memory: looked at beside the checks.
+    head = HeadStart(whole_files=args.tensor_parallel_size == 1).judge()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s preload %(levelname)s %(message)s")
     try:
         placements, files = _validate(args, found)
@@ -434,7 +434,7 @@ def main(argv: list[str]) -> int:
     ranks: list[Rank] = []
     health: ThreadingHTTPServer | None = None
     marks = {"main": started, "validated": time.monotonic()}
-    asked = head.begin(files, whole_files=args.tensor_parallel_size == 1)
+    asked = head.begin(files)
     try:
         if args.weight_cache_health_port is not None:
             try:

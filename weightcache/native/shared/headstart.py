@@ -86,10 +86,12 @@ def extents(files: list[Path | str], budget: int, chunk: int | None = None) -> d
 
 class HeadStart:
     """One launcher's head start: `judge` beside its checks, `begin` once they passed and
-    before it spawns its ranks, `stats` for READY."""
+    before it spawns its ranks, `stats` for READY. None where the ranks do not read
+    `whole_files` (tensor-parallel ones)."""
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, whole_files: bool = True) -> None:
         self.budget = loadenv.head_start() if budget is None else max(0, budget)
+        self.whole_files = whole_files
         self.verdict = "off" if self.budget <= 0 else "judging"  # `begin` decides it
         self.asked = 0
         self.files = 0
@@ -98,8 +100,9 @@ class HeadStart:
         self._judged = threading.Event()
 
     def judge(self) -> HeadStart:
-        """Start looking at the import set, off the caller's thread."""
-        if self.budget > 0:
+        """Start looking at the import set, off the caller's thread (where a head start may
+        come of it)."""
+        if self.budget > 0 and self.whole_files:
             try:
                 threading.Thread(target=self._judge, name="weightcache-head-judge",
                                  daemon=True).start()
@@ -124,13 +127,13 @@ class HeadStart:
         finally:
             self._judged.set()
 
-    def begin(self, files: list[Path | str], whole_files: bool) -> int:
+    def begin(self, files: list[Path | str]) -> int:
         """Ask for the head start's ranges (`extents`) now, in the background, where the
-        verdict is warm and the ranks read `whole_files`; the budget they were cut from (the
-        ranks' `--head-start-bytes`), 0 for none."""
+        verdict is warm; the budget they were cut from (the ranks' `--head-start-bytes`), 0
+        for none."""
         if self.budget <= 0:
             return 0
-        if not whole_files:
+        if not self.whole_files:
             self.verdict = "tensor-parallel"
             return 0
         if not self._judged.wait(JUDGE_WAIT_S):
