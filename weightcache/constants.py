@@ -90,6 +90,9 @@ ENV_EARLY_READ_JOBS_BESIDE_FILL = "WEIGHTCACHE_EARLY_READ_JOBS_BESIDE_FILL"
 # asked for each range at once, the directories and sources the import looks up) or "plain"
 # (8 readers, one read at a time, file contents only: the earlier way, kept to compare).
 ENV_IMPORT_SET_PREFETCH = "WEIGHTCACHE_IMPORT_SET_PREFETCH"
+# How many threads read a cold import set (a deep prefetch's readers; default 32, at most 256):
+# the set is many small files, so its read waits on the disk's latency, not its rate.
+ENV_IMPORT_SET_THREADS = "WEIGHTCACHE_IMPORT_SET_THREADS"
 # Whether a census that finds a rank's import set in memory but for a small part lets its early
 # reads start at once (1, default) or the whole set is read first, as on a cold node (0: the
 # earlier way, kept to compare).

@@ -178,6 +178,64 @@ def test_lean_holdab_and_importab_run_ready_with_each_setting_in_turn(tmp_path):
             assert summary[f"{key}{suffix}_disk"]["reads_seen"] is reads
 
 
+def test_dropab_runs_each_variant_in_turn_with_the_default_and_refuses_bad_knobs(
+        tmp_path, monkeypatch):
+    """`dropab`: READY with every cache dropped, the default and each variant of
+    `WEIGHTCACHE_BENCH_DROP_AB` in turn, each round starting one further along; each
+    variant's knobs reach the rank; a bad list or round count is refused before a checkpoint
+    is written."""
+    from weightcache.bench.load import (
+        DROP_AB_ENV,
+        DROP_ROUNDS_ENV,
+        drop_ab,
+        drop_ab_steps,
+        drop_rounds,
+    )
+
+    steps = drop_ab_steps([{"A": "1"}, {"B": "2"}], 3)
+    assert [k.removeprefix("preload_cold_dropab_") for k, _ in steps] == [
+        "default_1", "v1_1", "v2_1", "v1_2", "v2_2", "default_2", "v2_3", "default_3", "v1_3"]
+    assert dict(steps)["preload_cold_dropab_v2_3"] == {"B": "2"}
+    assert dict(steps)["preload_cold_dropab_default_2"] == {}
+    for bad in ("", "PATH=/tmp", "WEIGHTCACHE_BENCH_DROP_ROUNDS=2", "WEIGHTCACHE_X",
+                "WEIGHTCACHE_X=1;;junk"):
+        monkeypatch.setenv(DROP_AB_ENV, bad)
+        with pytest.raises(ValueError, match=DROP_AB_ENV):
+            drop_ab()
+    monkeypatch.setenv(DROP_AB_ENV, "WEIGHTCACHE_X=1, WEIGHTCACHE_Y=2;WEIGHTCACHE_Z=3")
+    assert drop_ab() == [{"WEIGHTCACHE_X": "1", "WEIGHTCACHE_Y": "2"}, {"WEIGHTCACHE_Z": "3"}]
+    for bad in ("0", "17", "two"):
+        monkeypatch.setenv(DROP_ROUNDS_ENV, bad)
+        with pytest.raises(ValueError, match=DROP_ROUNDS_ENV):
+            drop_rounds()
+    monkeypatch.delenv(DROP_ROUNDS_ENV)
+    assert drop_rounds() == 3
+
+    monkeypatch.setenv(DROP_AB_ENV, "WEIGHTCACHE_IMPORT_SET_THREADS=2;"
+                       "WEIGHTCACHE_EARLY_READ_JOBS=1")
+    monkeypatch.setenv(DROP_ROUNDS_ENV, "2")
+    layout = _smoke_load(tmp_path, "lean,dropab", "sharded")
+    summary = layout["summary"]
+    ab = summary["dropab"]
+    assert sorted(ab) == ["default", "v1", "v2"]
+    for arm in ab.values():
+        assert len(arm["ready_s"]) == 2 and all(x > 0 for x in arm["ready_s"]), ab
+        assert len(arm["ready_vs_device_read"]) == 2 and arm["mean_s"] > 0
+    for n in (1, 2):
+        assert summary[f"preload_cold_dropab_v2_{n}_early"]["read_jobs"] == 1
+        assert summary[f"preload_cold_dropab_default_{n}_early"]["read_jobs"] == READ_JOBS
+    monkeypatch.setenv(DROP_AB_ENV, "PATH=/tmp")
+    out = tmp_path / "refused.json"
+    env = {**os.environ, "WEIGHTCACHE_BENCH_LOAD_PARTS": "lean,dropab",
+           "WEIGHTCACHE_BENCH_LOAD_OUT": str(out),
+           "WEIGHTCACHE_BENCH_LOAD_WORKDIR": str(tmp_path / "refused")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", "load"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and DROP_AB_ENV in proc.stdout + proc.stderr
+    assert not out.exists() and not (tmp_path / "refused").exists()
+
+
 def test_the_load_sections_census_fillreads_readjobs_seed_and_hotstep_parts_run_at_smoke_size(
         tmp_path):
     """`census` (READY after an engine's cold start, with and without the import set's warm

@@ -202,7 +202,8 @@ def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
     """The launcher's side alone, on real files: a set whose libraries are in memory gets the
     checkpoint's first groups asked of the disk (in the page cache once the asks are done,
     where they were not before); a cold set, tensor-parallel ranks, or a look that never
-    came (`late`) ask nothing, and say why."""
+    came (`late`) ask nothing, and say why; with `WEIGHTCACHE_LOAD_HEAD_START_COLD=1` a cold
+    set is asked for too."""
     monkeypatch.delenv("WEIGHTCACHE_EARLY_READ_JOBS", raising=False)
     monkeypatch.delenv(importset.SEED_ENV, raising=False)
     libs = [_warm_file(tmp_path / f"lib{i}.so", 64) for i in range(2)]
@@ -236,3 +237,13 @@ def test_the_launchers_verdict_decides_what_it_asks(tmp_path, monkeypatch):
     cold = HeadStart(budget).judge()
     assert cold.begin(files) == 0
     assert cold.verdict == "set cold" and cold.stats()["asked_bytes"] == 0
+    # Asked where the set is cold too, with the knob the load bench's `dropab` compares.
+    drop_page_cache(files, everything=False)
+    monkeypatch.setenv(loadenv.HEAD_START_COLD_ENV, "1")
+    asked = HeadStart(budget).judge()
+    assert asked.begin(files) == budget
+    assert wait_until(lambda: "head_asked" in asked.marks, 30)
+    assert asked.stats() == {"verdict": "asked, set cold", "budget_bytes": budget,
+                             "asked_bytes": sum(want.values()), "files": len(want)}
+    for path, end in want.items():
+        assert wait_until(lambda p=path, e=end: _resident(p, 0, e), 30), path

@@ -873,3 +873,36 @@ def test_a_deep_prefetch_puts_a_whole_range_in_flight_not_one_readahead_window(t
             time.sleep(0.02)
     finally:
         os.close(fd)
+
+
+def test_a_cold_set_is_read_by_as_many_readers_as_the_knob_says(tmp_path, monkeypatch):
+    """`WEIGHTCACHE_IMPORT_SET_THREADS` sets a deep prefetch's readers (never more than the
+    files); a rank refuses a bad value before it loads, and the prefetch itself takes one as
+    the default."""
+    from weightcache.native.shared import loadenv
+
+    cold = [_file(tmp_path / f"lib{i}.so", 8) for i in range(6)]
+    files = [{"path": str(f), "identity": importset._identity(f.stat()),
+              "ranges": [(0, f.stat().st_size)]} for f in cold]
+    for value, readers in (("3", 3), ("64", 6), (None, 6)):
+        if value is None:
+            monkeypatch.delenv(importset.THREADS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(importset.THREADS_ENV, value)
+        drop_page_cache(cold, everything=False)
+        pf = importset.Prefetch(files, deep=True).start()
+        assert pf.done.wait(30)
+        stats = pf.stats()
+        assert stats["readers"] == readers and stats["files"] == 6, stats
+        assert stats["bytes"] + stats["resident_bytes"] == 6 * 8 * PAGE
+        assert all(_resident(f) for f in cold)
+    monkeypatch.delenv(importset.THREADS_ENV, raising=False)
+    assert importset.prefetch_threads() == importset.THREADS
+    for bad in ("0", "-1", "many", str(importset.MAX_THREADS + 1)):
+        monkeypatch.setenv(importset.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=importset.THREADS_ENV):
+            loadenv.check()
+        assert importset.prefetch_threads() in (importset.THREADS, importset.MAX_THREADS)
+    monkeypatch.setenv(importset.THREADS_ENV, str(importset.MAX_THREADS))
+    loadenv.check()
+    assert importset.prefetch_threads() == importset.MAX_THREADS

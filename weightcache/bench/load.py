@@ -68,7 +68,10 @@ cache dropped, the disk share as before, `WEIGHTCACHE_LOAD_HOLD_MAX_S=1`
 is, in turn, twice), importab (READY with every cache dropped, torch imported once the
 rank's import set is read, the default, the set read in a process of its own beside the
 import, `WEIGHTCACHE_IMPORT_SET_PROCESS=1`, and the set read on the rank's threads beside
-the import, `WEIGHTCACHE_IMPORT_SET_WAIT=0`, in turn, twice), seed (READY
+the import, `WEIGHTCACHE_IMPORT_SET_WAIT=0`, in turn, twice), dropab (READY with every cache
+dropped, the default and each variant `WEIGHTCACHE_BENCH_DROP_AB` names, in turn, for
+`WEIGHTCACHE_BENCH_DROP_ROUNDS` rounds, each round starting one further along: a knob's A/B
+where it matters most, with enough samples to tell tenths of a second), seed (READY
 with every cache dropped as a node's first start again, with no import set of its own but
 the seed an agent image carries, `weightcache import-set record` run in a fresh process, named by
 `WEIGHTCACHE_IMPORT_SET_SEED`; with lean: READY with every cache dropped as a first start with
@@ -698,6 +701,9 @@ def measure_layout(kind: str, model_dir: Path, parts: set[str], grid: bool) -> d
     if "importab" in parts and _import_set() is not None:  # the import after the set, in turn
         for key, env in IMPORT_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, True, env)
+    if "dropab" in parts:  # knobs against the default, every cache dropped, in turn
+        for key, env in drop_ab_steps(drop_ab(), drop_rounds()):
+            r[key] = _safe(key, preload_once, model_dir, files, True, env)
     # The device read once more, after the cold steps: one read of a virtual disk varied by
     # up to a fifth between two reads of one run (run27: 9.41 s, the loader cold 8.06 s), so
     # READY is compared with the faster of the two.
@@ -971,20 +977,92 @@ IMPORT_READY = {f"preload_cold_import{label}{again}": env
                                    ("beside", IMPORT_BESIDE))}
 
 
+DROP_AB_ENV = "WEIGHTCACHE_BENCH_DROP_AB"
+DROP_ROUNDS_ENV = "WEIGHTCACHE_BENCH_DROP_ROUNDS"
+DROP_ROUNDS = 3
+MAX_DROP_ROUNDS = 16
+DROP_PREFIX = "preload_cold_dropab_"
+
+
+def _knob_pairs(name: str, text: str) -> dict[str, str]:
+    """`NAME=VALUE` pairs, comma-separated, each NAME a load's knob (`WEIGHTCACHE_...`, never
+    the bench's own); ValueError naming `name` otherwise."""
+    pairs = [item.strip().partition("=") for item in text.split(",") if item.strip()]
+    bad = [key for key, eq, value in pairs
+           if not eq or not value.strip() or not key.strip().startswith("WEIGHTCACHE_")
+           or key.strip().startswith("WEIGHTCACHE_BENCH_")]
+    if bad or not pairs:
+        raise ValueError(f"{name}={text!r}: use WEIGHTCACHE_...=VALUE pairs, comma-separated")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def drop_ab() -> list[dict[str, str]]:
+    """The variants a `dropab` part compares with the default: `WEIGHTCACHE_BENCH_DROP_AB`,
+    variants separated by `;`, each `NAME=VALUE` pairs (`_knob_pairs`)."""
+    text = os.environ.get(DROP_AB_ENV, "").strip()
+    if not text:
+        raise ValueError(f"the dropab part needs {DROP_AB_ENV}, e.g. "
+                         "WEIGHTCACHE_EARLY_READS_WAIT=0;WEIGHTCACHE_IMPORT_SET_THREADS=64")
+    return [_knob_pairs(DROP_AB_ENV, part) for part in text.split(";") if part.strip()]
+
+
+def drop_rounds() -> int:
+    """`WEIGHTCACHE_BENCH_DROP_ROUNDS`: 1 to MAX_DROP_ROUNDS (default DROP_ROUNDS)."""
+    text = os.environ.get(DROP_ROUNDS_ENV, "").strip()
+    if not text:
+        return DROP_ROUNDS
+    if not text.isdigit() or not 1 <= int(text) <= MAX_DROP_ROUNDS:
+        raise ValueError(f"{DROP_ROUNDS_ENV}={text!r}: use 1 to {MAX_DROP_ROUNDS}")
+    return int(text)
+
+
+def drop_ab_steps(variants: list[dict[str, str]], rounds: int
+                  ) -> list[tuple[str, dict[str, str]]]:
+    """(key, env) of every READY of a `dropab` part: per round the default (`default`) and each
+    variant (`v1`, `v2`...), each round starting one further along, so that no variant always
+    follows the same one (the page cache and the disk carry one READY into the next)."""
+    arms = [("default", {})] + [(f"v{i}", env) for i, env in enumerate(variants, 1)]
+    steps = []
+    for n in range(rounds):
+        for k in range(len(arms)):
+            label, env = arms[(n + k) % len(arms)]
+            steps.append((f"{DROP_PREFIX}{label}_{n + 1}", env))
+    return steps
+
+
+def drop_ab_summary(r: dict[str, Any], bound: float) -> dict[str, Any] | None:
+    """Per arm of a `dropab` part: its knobs, each READY (s) in round order, of the faster
+    device read, the early reads' first byte after the launcher's start, and the mean."""
+    arms: dict[str, dict[str, Any]] = {}
+    for key in sorted(k for k in r if k.startswith(DROP_PREFIX)):
+        label, _, n = key[len(DROP_PREFIX):].rpartition("_")
+        ready = _get(r, key, "ready")
+        arm = arms.setdefault(label, {"ready_s": {}, "first_read_s": {}})
+        if ready and ready.get("seconds"):
+            arm["ready_s"][int(n)] = ready["seconds"]
+            arm["first_read_s"][int(n)] = (_get(r, key, "start_marks") or {}).get(
+                "early_first_read")
+    if not arms:
+        return None
+    out = {}
+    for label, arm in arms.items():
+        order = sorted(arm["ready_s"])
+        ready = [arm["ready_s"][n] for n in order]
+        out[label] = {
+            "ready_s": ready,
+            "ready_vs_device_read": [round(bound / x, 3) for x in ready],
+            "first_read_s": [arm["first_read_s"][n] for n in order],
+            "mean_s": round(sum(ready) / len(ready), 3) if ready else None,
+        }
+    return out
+
+
 def share_before() -> dict[str, str]:
     """The share a `holdab` part compares the default with: SHARE_BEFORE, or the knobs
     `WEIGHTCACHE_BENCH_SHARE_BEFORE` names (`NAME=VALUE` pairs, comma-separated; e.g.
     `WEIGHTCACHE_LOAD_HOLD_S=1` to compare a shorter hold after a blip with the old one)."""
     text = os.environ.get(SHARE_BEFORE_ENV, "").strip()
-    if not text:
-        return dict(SHARE_BEFORE)
-    pairs = [item.strip().partition("=") for item in text.split(",") if item.strip()]
-    bad = [name for name, eq, value in pairs
-           if not eq or not value.strip() or not name.strip().startswith("WEIGHTCACHE_LOAD_")]
-    if bad:
-        raise ValueError(f"{SHARE_BEFORE_ENV}={text!r}: use WEIGHTCACHE_LOAD_...=VALUE pairs, "
-                         "comma-separated")
-    return {name.strip(): value.strip() for name, _, value in pairs}
+    return _knob_pairs(SHARE_BEFORE_ENV, text) if text else dict(SHARE_BEFORE)
 # The early reads 64 MiB a call beside the fill too (earlyread.py), against the default, a
 # job (16 MiB) a call once the fill began.
 GROUP_BESIDE_READY = _in_turn("groupbeside", "besidejobs",
@@ -1142,7 +1220,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
                 *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
                 *START_GENTLE_READY, *GROUP_BESIDE_READY, *HEAD_START_READY, *HOLD_READY,
-                *IMPORT_READY, "preload_cold_model_again"):
+                *IMPORT_READY, "preload_cold_model_again",
+                *sorted(k for k in r if k.startswith(DROP_PREFIX))):
         pp = _get(r, key, "ready")
         if pp:
             s[f"{key}_ready_s"] = pp.get("seconds")
@@ -1162,6 +1241,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
             for base in ("load_file_cold", "from_pretrained_cold", *fresh):
                 if s.get(f"{base}_s"):
                     s[f"{key}_ready_vs_{base}"] = round(s[f"{base}_s"] / pp["seconds"], 3)
+    if (ab := drop_ab_summary(r, bound)) is not None:
+        s["dropab"] = ab
     lw = _get(r, "loader_warm")
     if isinstance(lw, list) and lw and "total_gb_per_s" in lw[0]:
         s["loader_warm_gb_per_s"] = lw[0]["total_gb_per_s"]
@@ -1274,6 +1355,8 @@ def main(argv: list[str]) -> int:
     grid = os.environ.get("WEIGHTCACHE_BENCH_LOAD_PROFILE_GRID", "0") == "1"
     if "holdab" in parts:
         share_before()  # a bad comparison is told before the first checkpoint is written
+    if "dropab" in parts:
+        drop_ab(), drop_rounds()
     workdir = Path(os.environ.get("WEIGHTCACHE_BENCH_LOAD_WORKDIR") or
                    tempfile.mkdtemp(prefix="wc-load-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,8 @@ own chunks (tpshare.py).
 Correctness does not depend on any of it: the asks only fill the page cache; the fill reads
 through it and hashes what it copies, and the files' identities bracket the load.
 `WEIGHTCACHE_LOAD_HEAD_START_MIB` sets the budget (loadenv.head_start; 0 turns it off).
+`WEIGHTCACHE_LOAD_HEAD_START_COLD=1` asks where the set is cold too (verdict `asked, set
+cold`), for the load bench's `dropab` to compare with the default.
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ class HeadStart:
             self.verdict = "late"  # a rank that waits for it would lose what it could save
             return 0
         self.verdict = self._look
-        if self._look != "warm":
+        cold = self._look == "set cold" and loadenv.flag(loadenv.HEAD_START_COLD_ENV, False)
+        if self._look != "warm" and not cold:
             return 0
         try:
             threading.Thread(target=self._ask, args=(files,), name="weightcache-head-start",
@@ -148,7 +151,7 @@ class HeadStart:
         except RuntimeError:
             self.verdict = "failed: no thread"
             return 0
-        self.verdict = "asked"
+        self.verdict = "asked, set cold" if cold else "asked"
         return self.budget
 
     def _ask(self, files: list[Path | str]) -> None:

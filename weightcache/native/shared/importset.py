@@ -130,6 +130,7 @@ WAIT_ENV = constants.ENV_IMPORT_SET_WAIT
 PROCESS_ENV = constants.ENV_IMPORT_SET_PROCESS
 EARLY_WAIT_ENV = constants.ENV_EARLY_READS_WAIT
 PREFETCH_ENV = constants.ENV_IMPORT_SET_PREFETCH
+THREADS_ENV = loadenv.IMPORT_SET_THREADS_ENV
 WARM_ENV = constants.ENV_IMPORT_SET_WARM
 SEED_ENV = constants.ENV_IMPORT_SET_SEED
 OFF = {"off", "0", "false", "no"}
@@ -145,7 +146,8 @@ GAP = 256 << 10  # resident ranges closer than this are read as one
 READ_BYTES = 4 << 20  # one read
 DEEP_READ_BYTES = 1 << 20  # one read of a deep prefetch: a copy of pages already in flight
 AHEAD_BYTES = 512 << 10  # one readahead request of a deep prefetch (module doc)
-THREADS = 32  # readers of a deep prefetch (module doc)
+THREADS = 32  # readers of a deep prefetch (module doc; `prefetch_threads`)
+MAX_THREADS = loadenv.MAX_IMPORT_SET_THREADS
 OPENED_MAX_BYTES = 1 << 20  # a file the start opened is read ahead whole up to this size
 PLAIN_THREADS = 8
 # The check's verdict (`Prefetch._census`): a set whose page cache lacks at most this share of
@@ -245,6 +247,14 @@ def deep_prefetch() -> bool:
     """`WEIGHTCACHE_IMPORT_SET_PREFETCH`: `deep` (default) or `plain` (module doc); anything
     else is the default."""
     return os.environ.get(PREFETCH_ENV, "").strip().lower() != "plain"
+
+
+def prefetch_threads() -> int:
+    """`WEIGHTCACHE_IMPORT_SET_THREADS`: a deep prefetch's readers, 1 to MAX_THREADS (default
+    THREADS). Most of a cold set's files are small, so its read waits on the disk's latency
+    with a few dozen requests in flight; more readers keep more in flight. A bad value is the
+    default here (a rank refused it before: `loadenv.check`)."""
+    return min(MAX_THREADS, loadenv.positive(THREADS_ENV, THREADS))
 
 
 def set_path() -> Path | None:
@@ -633,8 +643,9 @@ class _Count:
 
 
 class Prefetch:
-    """Read an import set into the page cache (THREADS readers, or PLAIN_THREADS when not
-    `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS, `stop`)."""
+    """Read an import set into the page cache (`prefetch_threads()` readers, or PLAIN_THREADS
+    when not `deep`); `done` is set when it is read, or given up (MAX_BYTES, MAX_SECONDS,
+    `stop`)."""
 
     def __init__(self, files: list[dict[str, Any]], deep: bool | None = None, *,
                  seeded: bool = False) -> None:
@@ -664,6 +675,7 @@ class Prefetch:
         self._look = self.deep  # list directories and look sources up beside the reads
         self.child: int | None = None  # the process reading the set (`_fork`), until reaped
         self.apart = False  # read in a process of its own (stats)
+        self.readers = 0  # threads that read it (`_read_all`; 0: nothing read on this side)
 
     def start(self, apart: bool | None = None) -> Prefetch:
         """Take the census and read what it says, on threads of this process; with `apart`
@@ -799,7 +811,8 @@ class Prefetch:
         work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
         for f in files:
             work.put(f)
-        count = min(THREADS if self.deep else PLAIN_THREADS, len(files))
+        count = min(prefetch_threads() if self.deep else PLAIN_THREADS, len(files))
+        self.readers = count
         for _ in range(count):
             work.put(None)
 
@@ -1077,7 +1090,7 @@ class Prefetch:
                     "done": self.done.is_set(), "import_waited": self.import_waited,
                     "deep": self.deep, "looked_up": self._looked_up, "seeded": self.seeded,
                     "checked_only": self.checked_only, "warm": self.warm,
-                    "apart": self.apart,
+                    "apart": self.apart, "readers": self.readers,
                     "warm_at": self._warm_at,  # time.monotonic(), as READY's `marks`
                     "census_at": self._census_at,
                     "started_at": self._started,  # time.monotonic(), as READY's `marks`

@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from weightcache import constants
+
 MiB = 1 << 20
 PAGE = 4096
 DEFAULT_CHUNK = 16 * MiB  # the read size: a power of two (torch's pinned-memory size classes)
@@ -33,6 +35,11 @@ MAX_HOT_STEP_MIB = 256
 HEAD_START_ENV = "WEIGHTCACHE_LOAD_HEAD_START_MIB"
 DEFAULT_HEAD_START_MIB = 512  # headstart.py: about what the disk reads before a rank's first read
 MAX_HEAD_START_MIB = 16 << 10
+HEAD_START_COLD_ENV = "WEIGHTCACHE_LOAD_HEAD_START_COLD"  # headstart.py: ask where the set is cold
+
+# The import set's readers (importset.prefetch_threads): checked here with the other knobs.
+IMPORT_SET_THREADS_ENV = constants.ENV_IMPORT_SET_THREADS
+MAX_IMPORT_SET_THREADS = 256
 
 T = TypeVar("T")
 
@@ -99,6 +106,11 @@ def _positive(name: str, value: str | None, default: int) -> int:
     return whole_number(name, value, 1)
 
 
+def _at_most(name: str, value: str | None, minimum: int, maximum: int) -> None:
+    if value is not None and value.strip() and whole_number(name, value, minimum) > maximum:
+        raise ValueError(f"{name}={value!r}: use {minimum} to {maximum}")
+
+
 def _chunk(value: str | None) -> int:
     chunk = _positive(CHUNK_ENV, value, DEFAULT_CHUNK // MiB) * MiB
     return max(4 * PAGE, chunk - chunk % PAGE)
@@ -128,6 +140,8 @@ def check() -> None:
     _chunk(os.environ.get(CHUNK_ENV))
     _hot_step(os.environ.get(HOT_STEP_ENV), MiB)
     _head_start(os.environ.get(HEAD_START_ENV))
+    _at_most(IMPORT_SET_THREADS_ENV, os.environ.get(IMPORT_SET_THREADS_ENV), 1,
+             MAX_IMPORT_SET_THREADS)
     direct_mode(os.environ.get(DIRECT_ENV))
     io_priority(os.environ.get(IO_PRIORITY_ENV))
     yield_mode(os.environ.get(YIELD_ENV))
