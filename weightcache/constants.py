@@ -69,8 +69,8 @@ ENV_IMPORT_SET_WAIT = "WEIGHTCACHE_IMPORT_SET_WAIT"
 # Whether a rank reads a cold import set in a process of its own (1) or in its own threads
 # (0, default), beside its `import torch`, which holds the GIL those threads need.
 ENV_IMPORT_SET_PROCESS = "WEIGHTCACHE_IMPORT_SET_PROCESS"
-# Whether a rank's early reads wait for its import set to be read (1, default) or start at
-# once, gentle until it is (0).
+# Whether a rank's early reads wait for its import set to be read (1) or start at once, gentle
+# until it is (0, default).
 ENV_EARLY_READS_WAIT = "WEIGHTCACHE_EARLY_READS_WAIT"
 # Whether a rank's early reads go on beside its fill (1, default) or stop when the fill begins
 # (0: the earlier way, kept to compare).

@@ -3,7 +3,7 @@ cache dropped: against the device read and a real `weightcache preload` READY, i
 
 Why: with every cache dropped, a rank reads its import set (about 480 MB of torch's libraries,
 1,477 files) before its early reads begin, and imports torch beside them; its READY trailed
-the same machine's model-cold READY by a median of 0.7 s over the committed runs 41-93. A rank
+the same run's model-cold READY by a median of 0.62 s over the committed runs 41-93. A rank
 whose load path needs only the CUDA driver's bindings would read little besides the
 checkpoint. This probe is that path's floor, not the product: a child process (`--child`)
 imports `cuda.bindings.driver` and `blake3` only, creates the primary context, allocates the
@@ -11,6 +11,11 @@ whole checkpoint with `cuMemAlloc`, and has 32 threads read 16 MiB O_DIRECT piec
 pinned buffers each (`cuMemHostAlloc`), hash every 1 MiB content chunk with BLAKE3 (as the
 fill does), and copy each piece to the device on the thread's own stream (`cuMemcpyHtoDAsync`,
 an event per buffer). The parent times it from the spawn, and reports its phases.
+
+Measured on an H100 VM (run95, docs/results/gpu-h100-2026-12-07): the first byte 0.29-0.42 s
+after the spawn, done in 9.05-9.93 s, 0.744-0.816 of the faster device read: with one read in
+flight a thread it read slower than the device read's 32 x 64 MiB, so the rank's libraries
+are not all that stands between READY and the disk.
 
 Run: `tests/gpu/run_device.sh probe_torchfree` (PROBE_ROUNDS, default 3; PROBE_LAYOUT,
 default `sharded`). Root for `drop_caches`, as the load bench.
@@ -158,6 +163,10 @@ def main() -> int:
     del model
     torch.cuda.empty_cache()
     files = g._files(path)
+    # The rank writes its import set just after READY, where the bench's `preload_once` waits
+    # for it (`_wait_for_import_set`: on the path this names). Unnamed, run95's READYs were
+    # each a node's first start, with no set.
+    os.environ.setdefault("WEIGHTCACHE_IMPORT_SET", str(work / "import-set.json"))
     os.chdir(work)
     load.drop(files)
     reads = [g.raw_read_rate(files, 32, True).get("seconds")]

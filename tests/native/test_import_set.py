@@ -403,18 +403,17 @@ def test_a_rank_writes_its_set_and_reads_it_ahead_at_its_next_start(tmp_path, so
     # the whole bound: the set was read by then).
     assert again["import_waited"] is not None
     assert 0 <= again["import_waited"] < importset.MAX_SECONDS
-    if ready["early"] is not None:  # by default the early reads waited for the set
-        assert ready["early"]["waited_seconds"] is not None
+    if ready["early"] is not None:  # by default the early reads started at once, gentle
+        assert ready["early"]["waited_seconds"] is None
     time.sleep(1)  # a rank would write its set right after READY
     p.stop()
     assert set_file.stat().st_mtime_ns == written  # it still matched: kept as it was
-    # Early reads beside the set (0): they start at once, gentle until it is read (the share
-    # holds them), then settle.
-    # Torch imported beside the read too (WAIT 0): its import did not wait.
-    p = preload(*args, env={**env, importset.EARLY_WAIT_ENV: "0", importset.WAIT_ENV: "0"})
+    # Early reads after the set (1): they wait for it, then go at once, settled.
+    # Torch imported beside the read (WAIT 0): its import did not wait.
+    p = preload(*args, env={**env, importset.EARLY_WAIT_ENV: "1", importset.WAIT_ENV: "0"})
     beside = p.wait_ready(120)["rank_loads"][0]
     if beside["early"] is not None:
-        assert beside["early"]["waited_seconds"] is None
+        assert beside["early"]["waited_seconds"] is not None
     assert beside["import_prefetch"]["import_waited"] is None
     assert beside["import_prefetch"]["done"] and beside["import_prefetch"]["files"] > 0
     if diskshare.read_faults() is not None:

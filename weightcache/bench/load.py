@@ -34,10 +34,10 @@ Environment: WEIGHTCACHE_BENCH_LOAD_{LAYOUTS,OUT,WORKDIR,PARTS,PROFILE_GRID} (wi
 step's whole result is also appended to `OUT.steps.jsonl` as it ends); PARTS is a comma
 list of attach, restart, scaling (CUDA), readgrid (the device read, the loader and READY
 with the model cold at 64 MiB reads and with 16 readers, and noyield), noyield (READY with
-the model cold and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), beside (READY
-cold, with every cache dropped and with the model cold, the rank's early reads starting
-beside its import set's read, gentle until it is read, `WEIGHTCACHE_EARLY_READS_WAIT=0`,
-then the default with the model cold again), noearly
+the model cold and the disk's share off, `WEIGHTCACHE_LOAD_YIELD=off`), afterset (READY
+cold, with every cache dropped and with the model cold, the rank's early reads waiting for
+its import set's read, `WEIGHTCACHE_EARLY_READS_WAIT=1`, the default until run96, then the
+default, beside it and gentle until it is read, with the model cold again), noearly
 (READY cold again with the rank's early reads off, `WEIGHTCACHE_LOAD_EARLY_MIB=0`: what
 reading while the rank starts saves) and warmgrid (the warm preload again with 32 readers,
 against the warm default of one per core), hotstep (the warm preload with the fill's hash
@@ -797,9 +797,9 @@ def _model_cold_parts(r: dict[str, Any], model_dir: Path, files: list[Path],
     if "readgrid" in parts or "noyield" in parts:  # what the disk's share costs READY
         for key, env in NOYIELD_READY.items():
             r[key] = _safe(key, preload_once, model_dir, files, "model", env)
-    if "beside" in parts and _import_set() is not None:
-        for key, cold in BESIDE_READY.items():
-            r[key] = _safe(key, preload_once, model_dir, files, cold, BESIDE_ENV)
+    if "afterset" in parts and _import_set() is not None:
+        for key, cold in AFTER_SET_READY.items():
+            r[key] = _safe(key, preload_once, model_dir, files, cold, AFTER_SET_ENV)
         # The default once more, after them: what the order of the runs alone moves.
         r["preload_cold_model_again"] = _safe("preload, model cold, again", preload_once,
                                               model_dir, files, "model")
@@ -928,10 +928,10 @@ GRID_READY = {  # READY with the model cold, at another read size
                                        "WEIGHTCACHE_LOAD_THREADS": "16"},
 }
 NOYIELD_READY = {"preload_cold_model_noyield": {"WEIGHTCACHE_LOAD_YIELD": "off"}}
-# The early reads beside the import set's read, gentle until it is read, instead of after it:
+# The early reads after the import set's read instead of beside it (the default since run96):
 # every cache dropped (True) and only the model cold ("model").
-BESIDE_READY = {"preload_cold_beside": True, "preload_cold_model_beside": "model"}
-BESIDE_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "0"}
+AFTER_SET_READY = {"preload_cold_afterset": True, "preload_cold_model_afterset": "model"}
+AFTER_SET_ENV = {"WEIGHTCACHE_EARLY_READS_WAIT": "1"}
 # READY with the model cold, the early reads stopped when the fill begins (earlyread.py).
 STOP_EARLY_READY = {"preload_cold_model_stopearly": {"WEIGHTCACHE_EARLY_READS_BESIDE_FILL": "0"}}
 
@@ -1218,7 +1218,8 @@ def summarize(r: dict[str, Any], nbytes: int | None) -> dict[str, Any]:
                 "preload_cold_again", "preload_cold_no_early",
                 "preload_cold_model", "preload_cold_model_no_early", *GRID_READY,
                 *PLAIN_PREFETCH_READY, *STOP_EARLY_READY,
-                *NOYIELD_READY, *BESIDE_READY, *CENSUS_READY, *FILL_READS_READY, *READ_JOBS_READY,
+                *NOYIELD_READY, *AFTER_SET_READY, *CENSUS_READY, *FILL_READS_READY,
+                *READ_JOBS_READY,
                 *START_GENTLE_READY, *GROUP_BESIDE_READY, *HEAD_START_READY, *HOLD_READY,
                 *IMPORT_READY, "preload_cold_model_again",
                 *sorted(k for k in r if k.startswith(DROP_PREFIX))):

@@ -22,18 +22,18 @@ mapping or module shows them, yet on the H200 they were the longest wait of a co
 `import torch` reads every installed distribution's `entry_points.txt`, and each of those
 opens waited 0.25-0.5 s behind the early reads (a 4 s longer start; runs 24-25 in
 docs/performance.md);
-the early reads begin once that is done, or at once where the set is in memory but for a small
-part (a restart; `Prefetch._check_then_read`). How it reads them decides how long the disk does
-little else: on the H200 VM, 8 threads of one 4 MiB `pread` at a time read a 465 MB set of
-1,119 files in 1.43-1.68 s (0.3 GB/s, against 2 GB/s for the checkpoint), most files being
-small and each one a few waits on the disk in turn. So the default (`deep`) runs THREADS
-readers, asks the kernel's readahead for a file's every missing range at once before it waits
-on them with `pread` (`POSIX_FADV_WILLNEED`, one call per AHEAD_BYTES: the kernel reads at most
-its readahead window, `max(read_ahead_kb, max_sectors_kb)`, per call, so one call for a whole
-range put only its first megabytes in flight), and also looks up what the import reads besides
-the set's bytes, which `drop_caches` empties too and no fault counter sees: each bytecode
-file's source (the import stats it to validate the bytecode) and every directory it searches
-(listed once).
+the early reads begin at once, gentle until that is done or the set is found in memory but for
+a small part (a restart; `Prefetch._check_then_read`; `early_reads_wait`). How it reads them
+decides how long the disk does little else: on the H200 VM, 8 threads of one 4 MiB `pread` at a
+time read a 465 MB set of 1,119 files in 1.43-1.68 s (0.3 GB/s, against 2 GB/s for the
+checkpoint), most files being small and each one a few waits on the disk in turn. So the
+default (`deep`) runs THREADS readers, asks the kernel's readahead for a file's every missing
+range at once before it waits on them with `pread` (`POSIX_FADV_WILLNEED`, one call per
+AHEAD_BYTES: the kernel reads at most its readahead window, `max(read_ahead_kb,
+max_sectors_kb)`, per call, so one call for a whole range put only its first megabytes in
+flight), and also looks up what the import reads besides the set's bytes, which `drop_caches`
+empties too and no fault counter sees: each bytecode file's source (the import stats it to
+validate the bytecode) and every directory it searches (listed once).
 `WEIGHTCACHE_IMPORT_SET_PREFETCH=plain` reads the earlier way, to compare. A range the page
 cache holds whole already is not read (`residency.resident`, one `cachestat(2)` or `mincore(2)`
 call): where only the model is cold (a restart) the whole set is in memory, and reading it
@@ -230,10 +230,19 @@ def reads_apart() -> bool:
 
 
 def early_reads_wait() -> bool:
-    """`WEIGHTCACHE_EARLY_READS_WAIT`: 1 (default) starts a rank's early reads once its set is
-    read; 0 starts them at once, gentle (diskshare.py) until it is, so that the disk is not
-    idle while the set is read from memory or from many small files."""
-    return loadenv.flag(EARLY_WAIT_ENV, True)
+    """`WEIGHTCACHE_EARLY_READS_WAIT`: 0 (default) starts a rank's early reads at once, gentle
+    (diskshare.py: two 1 MiB reads in flight) until its set is read or found in memory, so
+    that the disk is not idle while the set is read from many small files; 1 starts them only
+    then (the default until run96).
+
+    Why 0, now that torch is imported once the set is read (`import_waits`): with every cache
+    dropped, on one H100 VM, in turn with the default of then (runs 94 and 96, seven rounds),
+    the early reads' first byte came 0.58-0.77 s after the launcher started against 0.76-0.98,
+    the disk had read 0.08-0.75 GB more by the second second in six rounds of seven, the set's
+    own read took no longer (0.45-0.61 s against 0.50-0.69), and READY came 0.39 s sooner on
+    average, sooner in six rounds of seven. Beside an `import torch` that faulted the set's
+    pages in itself (runs 17-19, before `import_waits`), it had been 0.1-0.5 s slower."""
+    return loadenv.flag(EARLY_WAIT_ENV, False)
 
 
 def warm_verdicts() -> bool:

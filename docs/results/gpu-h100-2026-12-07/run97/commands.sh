@@ -1,0 +1,1 @@
+R=/tmp/wcres97; mkdir -p $R; export WEIGHTCACHE_EARLY_READS_WAIT=0; OUT=$R/tests PYTEST_ARGS=tests/gpu/test_cuda.py TESTS_TIMEOUT=230 bash tests/gpu/run_device.sh tests >/dev/null 2>&1; tar czf $OUT/all.tgz -C $R .; tail -3 $R/tests/tests_gpu.log | cut -c1-300
