@@ -1031,8 +1031,9 @@ def drop_ab_steps(variants: list[dict[str, str]], rounds: int
 
 
 def drop_ab_summary(r: dict[str, Any], bound: float) -> dict[str, Any] | None:
-    """Per arm of a `dropab` part: its knobs, each READY (s) in round order, of the faster
-    device read, the early reads' first byte after the launcher's start, and the mean."""
+    """Per arm of a `dropab` part (its knobs are `drop_ab()`'s, in order): each READY (s) in
+    round order, of the faster device read, the early reads' first byte after the launcher's
+    start, and the mean."""
     arms: dict[str, dict[str, Any]] = {}
     for key in sorted(k for k in r if k.startswith(DROP_PREFIX)):
         label, _, n = key[len(DROP_PREFIX):].rpartition("_")

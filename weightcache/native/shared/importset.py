@@ -263,7 +263,7 @@ def prefetch_threads() -> int:
     THREADS). Most of a cold set's files are small, so its read waits on the disk's latency
     with a few dozen requests in flight; more readers keep more in flight. A bad value is the
     default here (a rank refused it before: `loadenv.check`)."""
-    return min(MAX_THREADS, loadenv.positive(THREADS_ENV, THREADS))
+    return loadenv.import_set_threads(THREADS)
 
 
 def set_path() -> Path | None:

@@ -106,9 +106,18 @@ def _positive(name: str, value: str | None, default: int) -> int:
     return whole_number(name, value, 1)
 
 
-def _at_most(name: str, value: str | None, minimum: int, maximum: int) -> None:
-    if value is not None and value.strip() and whole_number(name, value, minimum) > maximum:
-        raise ValueError(f"{name}={value!r}: use {minimum} to {maximum}")
+def _bounded(name: str, value: str | None, default: int, minimum: int, maximum: int,
+             unit: str = "") -> int:
+    """A whole number from `minimum` to `maximum` (in `unit`, said in the error); unset,
+    `default`; ValueError naming the knob otherwise."""
+    if value is None or not value.strip():
+        return default
+    number = whole_number(name, value, minimum, f"a whole number of {unit}" if unit else
+                          "a whole number")
+    if number > maximum:
+        raise ValueError(f"{name}={value!r}: use {minimum} to {maximum}"
+                         + (f" ({unit})" if unit else ""))
+    return number
 
 
 def _chunk(value: str | None) -> int:
@@ -119,19 +128,16 @@ def _chunk(value: str | None) -> int:
 def _hot_step(value: str | None, default: int) -> int:
     if value is None or not value.strip():
         return default
-    mib = whole_number(HOT_STEP_ENV, value, 1, "a whole number of MiB")
-    if mib > MAX_HOT_STEP_MIB:
-        raise ValueError(f"{HOT_STEP_ENV}={value!r}: use 1 to {MAX_HOT_STEP_MIB} (MiB)")
-    return mib * MiB
+    return _bounded(HOT_STEP_ENV, value, 0, 1, MAX_HOT_STEP_MIB, "MiB") * MiB  # set: no default
 
 
 def _head_start(value: str | None) -> int:
-    if value is None or not value.strip():
-        return DEFAULT_HEAD_START_MIB * MiB
-    mib = whole_number(HEAD_START_ENV, value, 0, "a whole number of MiB")
-    if mib > MAX_HEAD_START_MIB:
-        raise ValueError(f"{HEAD_START_ENV}={value!r}: use 0 to {MAX_HEAD_START_MIB} (MiB)")
-    return mib * MiB
+    return _bounded(HEAD_START_ENV, value, DEFAULT_HEAD_START_MIB, 0, MAX_HEAD_START_MIB,
+                    "MiB") * MiB
+
+
+def _import_set_threads(value: str | None, default: int) -> int:
+    return _bounded(IMPORT_SET_THREADS_ENV, value, default, 1, MAX_IMPORT_SET_THREADS)
 
 
 def check() -> None:
@@ -140,8 +146,7 @@ def check() -> None:
     _chunk(os.environ.get(CHUNK_ENV))
     _hot_step(os.environ.get(HOT_STEP_ENV), MiB)
     _head_start(os.environ.get(HEAD_START_ENV))
-    _at_most(IMPORT_SET_THREADS_ENV, os.environ.get(IMPORT_SET_THREADS_ENV), 1,
-             MAX_IMPORT_SET_THREADS)
+    _import_set_threads(os.environ.get(IMPORT_SET_THREADS_ENV), 1)
     direct_mode(os.environ.get(DIRECT_ENV))
     io_priority(os.environ.get(IO_PRIORITY_ENV))
     yield_mode(os.environ.get(YIELD_ENV))
@@ -210,6 +215,13 @@ def head_start() -> int:
     before its ranks read (headstart.py), 0 for none; unset or bad, DEFAULT_HEAD_START_MIB."""
     return _lenient(lambda: _head_start(os.environ.get(HEAD_START_ENV)),
                     DEFAULT_HEAD_START_MIB * MiB)
+
+
+def import_set_threads(default: int) -> int:
+    """`WEIGHTCACHE_IMPORT_SET_THREADS`: a deep import-set prefetch's readers
+    (importset.prefetch_threads), 1 to MAX_IMPORT_SET_THREADS; unset or bad, `default`."""
+    return _lenient(lambda: _import_set_threads(os.environ.get(IMPORT_SET_THREADS_ENV),
+                                                default), default)
 
 
 def direct() -> bool | str:
