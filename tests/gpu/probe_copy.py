@@ -14,7 +14,12 @@ arena of PROBE_GB GiB exported by a second process, as copy mode sees it:
   driver lets the map overlap the copy;
 - the whole map and copy while another thread allocates a fresh block as large (copy mode's
   destination, made by `torch.empty` on a thread while the map goes on): whether the two
-  driver paths wait on each other.
+  driver paths wait on each other;
+- `dest_*` (PROBE_DEST=1): an engine's first load, into fresh memory, with the arena in
+  PROBE_DEST_PIECES allocations: the destination made by `torch.empty` on a thread from the
+  start (as the attach does), against one made of as many `cuMemCreate` allocations created and
+  mapped a piece at a time beside the copies (inline, or on a thread ahead of them), so that the
+  destination's allocation no longer sits in front of the first copy.
 
 Run: `python3 tests/gpu/probe_copy.py` on the device (tests/gpu/run_device.sh probe_copy).
 """
@@ -213,6 +218,118 @@ def _pieces(cu: Any, nbytes: int, dst: int, stream: int, count: int) -> dict[str
         proc.wait(timeout=30)
 
 
+def _dest_one(cu: Any, fds: list[int], sizes: list[int], nbytes: int, stream: int, how: str
+              ) -> dict[str, float]:
+    """One copy of the pieced arena into fresh memory made `how` (torch / vmm / vmm_thread);
+    the destination is given back after the clock (an engine has no earlier copy to free)."""
+    import threading
+
+    from weightcache.native.shared.transport.cuda_vmm import _map_at, _prop
+
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    clock = _Clock()
+    mark = clock.mark
+    size = sum(sizes)
+    held: list[torch.Tensor] = []
+    made: list[Any] = []  # destination handles
+    dst_range = 0
+    ready = [threading.Event() for _ in sizes]
+    worker = None
+    if how == "torch":
+        worker = threading.Thread(target=lambda: (held.append(
+            torch.empty(size, dtype=torch.uint8, device="cuda")), ready[0].set()))
+        worker.start()
+    else:
+        dst_range = int(_cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "reserve"))
+
+        def create(k: int) -> None:
+            _cuda.make_current(0)
+            h = _cuda.check(cu.cuMemCreate(sizes[k], _prop(0), 0), "cuMemCreate")
+            made.append(h)
+            _map_at(dst_range + sum(sizes[:k]), sizes[k], h, 0)
+            ready[k].set()
+
+        if how == "vmm_thread":
+            worker = threading.Thread(target=lambda: [create(k) for k in range(len(sizes))])
+            worker.start()
+    mark("started")
+    ptr = int(_cuda.check(cu.cuMemAddressReserve(size, 0, 0, 0), "reserve"))
+    mapped: list[tuple[int, int]] = []
+    try:
+        at = 0
+        for k, (fd, n) in enumerate(zip(fds, sizes, strict=True)):
+            handle = _import(cu, fd)
+            try:
+                _cuda.check(cu.cuMemMap(ptr + at, n, 0, handle, 0), "map")
+            finally:
+                cu.cuMemRelease(handle)
+            mapped.append((ptr + at, n))
+            _access(cu, ptr + at, n)
+            mark("src_map")
+            if how == "vmm":
+                create(k)
+                mark("dst_create")
+            if how == "torch":
+                ready[0].wait()
+                dst = held[0].data_ptr()
+            else:
+                ready[k].wait()
+                dst = dst_range
+            mark("dst_wait")
+            _copy(cu, dst, ptr, at, min(n, max(0, nbytes - at)), stream)
+            mark("queue")
+            at += n
+        _cuda.check(cu.cuStreamSynchronize(stream), "sync")
+        mark("copy_wait")
+        out = clock.done()
+        check = (held[0] if held else
+                 _cuda.DeviceMemory(dst_range, nbytes, 0, lambda: None).tensor())
+        out["copied_right"] = float(bool((check[nbytes - (1 << 20):nbytes] == 7).all()))
+        del check
+        return out
+    finally:
+        if worker is not None:
+            worker.join()
+        _unmap(cu, stream, mapped, ptr, size, lambda _name: None)
+        held.clear()
+        at = 0
+        for h, n in zip(made, sizes, strict=False):
+            cu.cuMemUnmap(dst_range + at, n)
+            cu.cuMemRelease(h)
+            at += n
+        if dst_range:
+            cu.cuMemAddressFree(dst_range, size)
+
+
+def _dest(cu: Any, nbytes: int, stream: int, count: int) -> dict[str, Any]:
+    """`_dest_one` for each way, in turn, REPEATS times after a warm-up of each."""
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", _PIECES_EXPORTER, str(child.fileno()),
+                             str(nbytes), str(count)], pass_fds=[child.fileno()])
+    child.close()
+    ways = ("torch", "vmm", "vmm_thread")
+    try:
+        msg, fds, _, _ = socket.recv_fds(parent, 4096, 256)
+        sizes = json.loads(msg)
+        runs: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+        for w in ways:
+            _dest_one(cu, fds, sizes, nbytes, stream, w)  # warm the path
+        for _ in range(REPEATS):
+            for w in ways:
+                runs[w].append(_dest_one(cu, fds, sizes, nbytes, stream, w))
+        out: dict[str, Any] = {"pieces": len(sizes)}
+        for w in ways:
+            out[w] = _median(runs[w], nbytes)
+            out[w]["copied_right"] = all(r["copied_right"] == 1.0 for r in runs[w])
+        for fd in fds:
+            os.close(fd)
+        return out
+    finally:
+        parent.close()
+        proc.wait(timeout=30)
+
+
 def _spin_while(work: Any) -> tuple[float, float]:
     """(main-thread loop iterations per ms while `work` runs on a thread, its seconds)."""
     import threading
@@ -365,6 +482,15 @@ def main() -> None:
         print(name, json.dumps(result[name]), flush=True)
     check = dst_t[:1 << 20].cpu()
     result["copied_right"] = bool((check == 7).all())
+    if os.environ.get("PROBE_DEST", "1") == "1":
+        del dst_t, check
+        torch.cuda.empty_cache()
+        count = int(os.environ.get("PROBE_DEST_PIECES", "4"))
+        try:
+            result["dest"] = _dest(cu, nbytes, stream, count)
+        except (_cuda.CudaCallError, torch.OutOfMemoryError) as exc:
+            result["dest"] = {"error": str(exc)}
+        print("dest", json.dumps(result["dest"]), flush=True)
     print(json.dumps(result, indent=1))
     out = os.environ.get("PROBE_OUT")
     if out:

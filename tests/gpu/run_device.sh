@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_prefetch_gil] [probe_tp_early] [probe_torchfree]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_prefetch_gil] [probe_tp_early] [probe_torchfree] [probe_readsize]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -163,6 +163,14 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-torchfree PROBE_OUT="$OUT/probe_torchfree.json" \
         timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_torchfree.py 2>&1 | tee "$OUT/probe_torchfree.log"
       rm -rf /var/tmp/wc-torchfree
+      ;;
+    probe_readsize)
+      # tests/gpu/probe_readsize.py: a cold file read with the fill's pattern and the device
+      # read's, and others (readers x MiB, either direction), in turn (PROBE_ROUNDS, PROBE_GB).
+      shift
+      PROBE_DIR=/var/tmp/wc-readsize PROBE_OUT="$OUT/probe_readsize.json" \
+        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_readsize.py 2>&1 | tee "$OUT/probe_readsize.log"
+      rm -rf /var/tmp/wc-readsize
       ;;
     probe_import_order)
       # tests/gpu/probe_import_order.py: a cold import set read in the recorded order and in

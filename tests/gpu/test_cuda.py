@@ -155,6 +155,116 @@ def test_vmm_arena_of_pieces_maps_lazily_and_copies_a_piece_at_a_time():
     assert free_bytes() >= free0 - 64 * MiB, _cuda.RELEASE_ERRORS
 
 
+def _pieced_arena(nbytes: int, count: int) -> tuple[object, dict, list[int], torch.Tensor]:
+    from weightcache.native.shared.transport import cuda_vmm
+
+    arena = cuda_vmm.VmmArena(nbytes, 0, count=count)
+    pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEV)
+    arena.tensor().copy_(pattern)
+    torch.cuda.synchronize(DEV)
+    meta, fds = arena.export()
+    return arena, meta, fds, pattern
+
+
+def test_copy_fresh_makes_the_engines_own_allocations_beside_the_copies():
+    """`copy_fresh` copies an arena of 3 pieces into 3 allocations of this process, made a
+    piece at a time (as each source piece is mapped), never asking torch for a block: the
+    bytes are the arena's, torch's allocator holds nothing more, the device's free memory
+    is one shard lower, and it is given back once the last view of it is freed."""
+    from weightcache.native.shared.transport import cuda_vmm
+
+    gran = cuda_vmm.granularity(0)
+    nbytes = 50 * gran + 4321  # the last piece partly used
+    arena, meta, fds, pattern = _pieced_arena(nbytes, 3)
+    copier = get_transport("cuda_vmm").attach(meta, [os.dup(fd) for fd in fds], DEV)
+    free0, torch0 = free_bytes(), torch.cuda.memory_allocated(DEV)
+    asked: list[int] = []
+    block = copier.copy_fresh(nbytes, lambda: asked.append(1) or torch.empty(0))
+    torch.cuda.synchronize(DEV)
+    copier.close()  # the source unmapped: the copy is the engine's own
+    assert asked == [] and block.numel() == nbytes and block.device == DEV
+    assert torch.equal(block, pattern)
+    assert torch.cuda.memory_allocated(DEV) == torch0  # not torch's block
+    held = free0 - free_bytes()
+    assert 0.9 * nbytes <= held <= nbytes + 4 * gran, (held, nbytes)
+    view = block[7:99]  # a view keeps the allocations alive
+    del block
+    gc.collect()
+    assert free0 - free_bytes() >= 0.9 * nbytes
+    assert torch.equal(view, pattern[7:99])
+    del view
+    gc.collect()
+    assert free_bytes() >= free0 - 4 * gran, _cuda.RELEASE_ERRORS
+    arena.close()
+
+
+def test_copy_fresh_out_of_room_goes_on_into_torchs_block():
+    """Where the device has no room for a piece but torch's allocator has free blocks it
+    keeps (what an engine that freed tensors has), `copy_fresh` falls back to `take()`'s block
+    (torch reuses its cache) instead of failing a load that fits: the bytes are the arena's."""
+    from weightcache.native.shared.transport import cuda_vmm
+
+    gran = cuda_vmm.granularity(0)
+    nbytes = 96 * gran
+    arena, meta, fds, pattern = _pieced_arena(nbytes, 3)
+    free = free_bytes()
+    hog = torch.empty(free - 8 * gran, dtype=torch.uint8, device=DEV)
+    del hog  # kept by torch's cache: the driver has about 8 granules left
+    assert torch.cuda.mem_get_info(DEV)[0] < 32 * gran
+    copier = get_transport("cuda_vmm").attach(meta, [os.dup(fd) for fd in fds], DEV)
+    asked: list[int] = []
+
+    def take() -> torch.Tensor:
+        asked.append(len(copier._span.mapped))
+        return torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+
+    try:
+        block = copier.copy_fresh(nbytes, take)
+        torch.cuda.synchronize(DEV)
+        assert asked == [0]  # the first piece had no room
+        assert torch.equal(block, pattern)
+        assert len(copier._span.mapped) == 3
+    finally:
+        copier.close()
+        torch.cuda.empty_cache()
+    del block
+    arena.close()
+
+
+def test_copy_mode_into_fresh_allocations_through_the_client(daemon_factory, medium_model,
+                                                             monkeypatch):
+    """`WEIGHTCACHE_COPY_FRESH=vmm`: a copy-mode attach through the public client serves the
+    checkpoint's bytes from the engine's own allocations (torch's allocator holds nothing
+    for them), leaves the daemon's arena in place, and its memory goes back once the state
+    dict is dropped; the probe (another process) gets verified bytes the same way."""
+    from safetensors.torch import load_file
+
+    from weightcache.native.engine import attach as client
+    from weightcache.native.engine.attach import query
+
+    monkeypatch.setenv("WEIGHTCACHE_VMM_PIECES", "4")
+    monkeypatch.setenv("WEIGHTCACHE_COPY_FRESH", "vmm")
+    daemon = daemon_factory(medium_model, "cuda_vmm")
+    nbytes = daemon.info["bytes"]
+    free0, torch0 = free_bytes(), torch.cuda.memory_allocated(DEV)
+    res = client.attach(medium_model, device=DEV, socket_path=daemon.socket, mode="copy",
+                        fallback=False)
+    assert res.source == "cache" and res.mode == "copy", res.reason
+    assert torch.cuda.memory_allocated(DEV) == torch0
+    assert client._Allocator.settle(30)  # the arena's mapping closed
+    assert free0 - free_bytes() >= 0.9 * nbytes
+    for f in sorted(medium_model.glob("*.safetensors")):
+        for name, tensor in load_file(f).items():
+            assert torch.equal(res.state_dict[name].cpu(), tensor), name
+    assert query(daemon.socket, "get_memory")["bytes"] == nbytes
+    del res
+    gc.collect()
+    assert free_bytes() >= free0 - 64 * MiB, _cuda.RELEASE_ERRORS
+    code, report = run_probe(medium_model, daemon.socket, "copy")
+    assert code == 0, report
+    assert report["source"] == "cache" and report["verified"] is True
+
+
 @pytest.mark.parametrize("mode", ["zero_copy", "copy"])
 def test_daemon_serves_an_arena_of_pieces(daemon_factory, medium_model, monkeypatch, mode):
     """A daemon told `WEIGHTCACHE_VMM_PIECES=4` serves its arena as 4 allocations, and an

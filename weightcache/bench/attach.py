@@ -25,6 +25,7 @@ them as JSON. Targets are shown, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
@@ -215,12 +216,29 @@ def _plan_ms(model: Path, device: str, cache: bool, repeat: int) -> float:
     return _ms(statistics.median(_timed(once) for _ in range(repeat)))
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Any:
+    """`name` set to `value` (unset where empty) for the block, then as it was."""
+    before = os.environ.pop(name, None)
+    if value:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
+
+
 def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
                   ) -> dict[str, Any]:
     """Copy mode end to end: into fresh memory (the allocator emptied before each, as an
-    engine's first load), into a kept allocator block, and into the caller's block (`out=`),
-    each with its phases (attach, alloc, copy, views, release, check)."""
+    engine's first load; on CUDA in turn with fresh memory the transport makes beside its
+    copies, `WEIGHTCACHE_COPY_FRESH=vmm`), into a kept allocator block, and into the caller's
+    block (`out=`), each with its phases (attach, alloc, copy, views, release, check)."""
     import torch
+
+    from weightcache.native.shared.transport.cuda_vmm import FRESH_ENV
 
     n = 2 if smoke else 5
     cuda = device.startswith("cuda")
@@ -232,8 +250,15 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
             torch.cuda.empty_cache()
 
     out: dict[str, Any] = {}
-    copies, copies_res = _timed_attaches(n, lambda: _attach(model, device, sock, "copy"),
-                                         before=empty)
+    copies, copies_res, fresh_vmm, fresh_vmm_res = [], [], [], []
+    ways = [(copies, copies_res, "")] + ([(fresh_vmm, fresh_vmm_res, "vmm")] if cuda else [])
+    for _ in range(n):  # into fresh memory, torch's block and (CUDA) the engine's own, in turn
+        for times, res, way in ways:
+            with _env(FRESH_ENV, way):
+                t, r = _timed_attaches(1, lambda: _attach(model, device, sock, "copy"),
+                                       before=empty)
+            times += t
+            res += r
     reused, reused_res = _timed_attaches(n, lambda: _attach(model, device, sock, "copy"))
     if cuda:
         torch.cuda.empty_cache()
@@ -241,8 +266,11 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
         n, functools.partial(_attach, model, device, sock, "copy",
                              out=torch.empty(nbytes, dtype=torch.uint8, device=device)))
     for name, times, res in (("copy", copies, copies_res),
+                             ("copy_fresh_vmm", fresh_vmm, fresh_vmm_res),
                              ("copy_reused_block", reused, reused_res),
                              ("copy_into_out", into, into_res)):
+        if not times:
+            continue
         med = statistics.median(times)
         out[f"{name}_median_s"] = round(med, 5)
         out[f"{name}_tb_per_s"] = round(nbytes / med / 1e12, 3)
@@ -415,8 +443,14 @@ def main(argv: list[str]) -> int:
                              f" {s['copy_reused_block_tb_per_s']} TB/s into a kept allocator"
                              f" block, {s['copy_into_out_tb_per_s']} TB/s into out="
                              f" (target >= {TARGETS['copy_tb_per_s']})")
-                for name in ("copy", "copy_reused_block", "copy_into_out"):
-                    notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
+                if "copy_fresh_vmm_median_s" in s:
+                    rows.append(("copy mode into the engine's own fresh allocations",
+                                 s["copy_fresh_vmm_median_s"]))
+                    notes.append(f"copy mode {s['copy_fresh_vmm_tb_per_s']} TB/s into fresh"
+                                 " memory made beside the copies (WEIGHTCACHE_COPY_FRESH=vmm)")
+                for name in ("copy", "copy_fresh_vmm", "copy_reused_block", "copy_into_out"):
+                    if name + "_phases_ms" in s:
+                        notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
             print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
                          ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
         if "scaling" in parts:
