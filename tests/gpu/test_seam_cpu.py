@@ -252,33 +252,6 @@ def test_vmm_pieces_knob_is_lenient_and_bounded(monkeypatch, value, want):
     assert cuda_vmm.pieces() == want
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, "torch"), ("", "torch"), ("torch", "torch"),
-                                             ("vmm", "vmm"), (" VMM ", "vmm"), ("cuMemCreate",
-                                                                               "torch")])
-def test_copy_fresh_knob_is_lenient(monkeypatch, value, want):
-    """`WEIGHTCACHE_COPY_FRESH` tunes speed only: a value it does not know is the default."""
-    from weightcache.native.shared.transport import cuda_vmm
-
-    if value is None:
-        monkeypatch.delenv(cuda_vmm.FRESH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(cuda_vmm.FRESH_ENV, value)
-    assert cuda_vmm.fresh_way() == want
-
-
-def test_copy_fresh_knob_changes_nothing_off_cuda(monkeypatch):
-    """Only CUDA fresh memory is made beside the copies: on the host, or into the caller's
-    block, the attach keeps torch's block whatever the knob says."""
-    from weightcache.native.engine.attach import _fresh_in_pieces
-
-    monkeypatch.setenv("WEIGHTCACHE_COPY_FRESH", "vmm")
-    assert _fresh_in_pieces(torch.device("cpu"), None) is False
-    assert _fresh_in_pieces(torch.device("cuda", 0), torch.empty(1)) is False
-    assert _fresh_in_pieces(torch.device("cuda", 0), None) is True
-    monkeypatch.setenv("WEIGHTCACHE_COPY_FRESH", "torch")
-    assert _fresh_in_pieces(torch.device("cuda", 0), None) is False
-
-
 def test_vmm_import_refuses_pieces_that_do_not_match_their_fds():
     """The export's piece sizes are checked before any driver call: their count against the
     fds that came, each positive, their sum the arena's size, the bytes within it."""

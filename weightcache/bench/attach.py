@@ -25,7 +25,6 @@ them as JSON. Targets are shown, never asserted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
 import json
@@ -216,32 +215,20 @@ def _plan_ms(model: Path, device: str, cache: bool, repeat: int) -> float:
     return _ms(statistics.median(_timed(once) for _ in range(repeat)))
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Any:
-    """`name` set to `value` (unset where empty) for the block, then as it was."""
-    before = os.environ.pop(name, None)
-    if value:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-        if before is not None:
-            os.environ[name] = before
-
-
 def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
                   ) -> dict[str, Any]:
     """Copy mode end to end: into fresh memory (the allocator emptied before each, as an
-    engine's first load; on CUDA in turn with fresh memory the transport makes beside its
-    copies, `WEIGHTCACHE_COPY_FRESH=vmm`), into a kept allocator block, and into the caller's
-    block (`out=`), each with its phases (attach, alloc, copy, views, release, check)."""
+    engine's first load), into a kept allocator block, and into the caller's block (`out=`),
+    each with its phases (attach, alloc, copy, views, release, check). On CUDA each also
+    `_settled`: with the copy-mode thread's work left by the attach before (the unmap of its
+    mapping) done first, as in an engine's one load per process; the ways run in turn."""
     import torch
 
-    from weightcache.native.shared.transport.cuda_vmm import FRESH_ENV
+    from weightcache.native.engine.attach import _Allocator
 
     n = 2 if smoke else 5
     cuda = device.startswith("cuda")
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device) if cuda else None
 
     def empty() -> None:
         # Each copy allocates its 16 GB anew, as an engine's first load does; giving the last
@@ -249,32 +236,38 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
         if cuda:
             torch.cuda.empty_cache()
 
-    out: dict[str, Any] = {}
-    copies, copies_res, fresh_vmm, fresh_vmm_res = [], [], [], []
-    ways = [(copies, copies_res, "")] + ([(fresh_vmm, fresh_vmm_res, "vmm")] if cuda else [])
-    for _ in range(n):  # into fresh memory, torch's block and (CUDA) the engine's own, in turn
-        for times, res, way in ways:
-            with _env(FRESH_ENV, way):
-                t, r = _timed_attaches(1, lambda: _attach(model, device, sock, "copy"),
-                                       before=empty)
-            times += t
-            res += r
-    reused, reused_res = _timed_attaches(n, lambda: _attach(model, device, sock, "copy"))
+    def settled(before: Any) -> Any:
+        def run() -> None:
+            _Allocator.settle(30)
+            if before is not None:
+                before()
+            torch.cuda.synchronize()
+        return run
+
+    ways: list[tuple[str, Any, dict[str, Any]]] = [
+        ("copy", empty, {}), ("copy_reused_block", None, {}), ("copy_into_out", None, {})]
     if cuda:
-        torch.cuda.empty_cache()
-    into, into_res = _timed_attaches(
-        n, functools.partial(_attach, model, device, sock, "copy",
-                             out=torch.empty(nbytes, dtype=torch.uint8, device=device)))
-    for name, times, res in (("copy", copies, copies_res),
-                             ("copy_fresh_vmm", fresh_vmm, fresh_vmm_res),
-                             ("copy_reused_block", reused, reused_res),
-                             ("copy_into_out", into, into_res)):
-        if not times:
-            continue
+        ways = [ways[0], ("copy_settled", settled(empty), {}),
+                ways[1], ("copy_reused_block_settled", settled(None), {}),
+                ("copy_into_out", None, {"out": block}),
+                ("copy_into_out_settled", settled(None), {"out": block})]
+    else:
+        ways[2] = ("copy_into_out", None,
+                   {"out": torch.empty(nbytes, dtype=torch.uint8, device=device)})
+    got: dict[str, tuple[list[float], list[Any]]] = {name: ([], []) for name, _, _ in ways}
+    for _ in range(n):
+        for name, before, kw in ways:
+            t, r = _timed_attaches(1, functools.partial(_attach, model, device, sock, "copy",
+                                                        **kw), before=before)
+            got[name][0].extend(t)
+            got[name][1].extend(r)
+    out: dict[str, Any] = {}
+    for name, (times, res) in got.items():
         med = statistics.median(times)
         out[f"{name}_median_s"] = round(med, 5)
         out[f"{name}_tb_per_s"] = round(nbytes / med / 1e12, 3)
         out[f"{name}_phases_ms"] = _phases(res)
+    copies = got["copy"][0]
     out["copy_first_s"] = round(copies[0], 5)
     out["copy_tb_per_s_first"] = round(nbytes / copies[0] / 1e12, 3)
     out["copy_tb_per_s_median"] = out["copy_tb_per_s"]
@@ -443,14 +436,14 @@ def main(argv: list[str]) -> int:
                              f" {s['copy_reused_block_tb_per_s']} TB/s into a kept allocator"
                              f" block, {s['copy_into_out_tb_per_s']} TB/s into out="
                              f" (target >= {TARGETS['copy_tb_per_s']})")
-                if "copy_fresh_vmm_median_s" in s:
-                    rows.append(("copy mode into the engine's own fresh allocations",
-                                 s["copy_fresh_vmm_median_s"]))
-                    notes.append(f"copy mode {s['copy_fresh_vmm_tb_per_s']} TB/s into fresh"
-                                 " memory made beside the copies (WEIGHTCACHE_COPY_FRESH=vmm)")
-                for name in ("copy", "copy_fresh_vmm", "copy_reused_block", "copy_into_out"):
-                    if name + "_phases_ms" in s:
-                        notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
+                settled = [(f"{k[:-len('_settled_tb_per_s')]} settled first",
+                            s[k]) for k in s if k.endswith("_settled_tb_per_s")]
+                if settled:
+                    notes.append("settled first (TB/s): " + ", ".join(
+                        f"{k.removesuffix(' settled first')} {v}" for k, v in settled))
+                for name in [k[:-len("_phases_ms")] for k in s if k.startswith("copy")
+                             and k.endswith("_phases_ms")]:
+                    notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
             print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
                          ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
         if "scaling" in parts:

@@ -598,19 +598,11 @@ class _Destination:
     """Copy mode's destination: the caller's block, or on CUDA one the allocating thread
     (`_Allocator`) makes while the request and the mapping go on."""
 
-    def __init__(self, nbytes: int, device: torch.device, out: torch.Tensor | None,
-                 lazy: bool = False) -> None:
+    def __init__(self, nbytes: int, device: torch.device, out: torch.Tensor | None) -> None:
         self.nbytes = nbytes
         self.error: BaseException | None = None
         self.block: torch.Tensor | None = None
         self.done: threading.Event | None = None
-        self._lazy: tuple[int, torch.device] | None = None
-        if out is None and lazy:
-            # The transport makes fresh memory itself beside the copies (`copy_fresh`); this
-            # block is its way out (no room for a piece, or a transport without it), made
-            # only when taken.
-            self._lazy = (nbytes, device)
-            return
         if out is not None:
             if (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes
                     or out.device != device or not out.is_contiguous()):
@@ -642,10 +634,6 @@ class _Destination:
             self.done.set()
 
     def take(self) -> torch.Tensor:
-        if self._lazy is not None:
-            nbytes, device = self._lazy
-            self._lazy = None
-            self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if self.done is not None:
             self.done.wait()
         if self.error is not None:
@@ -677,17 +665,6 @@ class _Destination:
         if self.done is not None:
             self.done.wait()
         self.block = None
-        self._lazy = None
-
-
-def _fresh_in_pieces(device: torch.device, out: torch.Tensor | None) -> bool:
-    """Copy mode's fresh memory made by the transport beside its copies, not by torch's
-    allocator ahead (`WEIGHTCACHE_COPY_FRESH=vmm`, CUDA only, never into `out=`)."""
-    if out is not None or device.type != "cuda":
-        return False
-    from ..shared.transport import cuda_vmm
-
-    return cuda_vmm.fresh_way() == "vmm"
 
 
 def _from_cache_unchecked(
@@ -701,13 +678,12 @@ def _from_cache_unchecked(
     for before the plan by the size of the one kept (`_Destination.guess`)."""
     clock = _Clock({} if phases is None else phases)
     destination: _Destination | None = None
-    fresh_pieces = mode == "copy" and _fresh_in_pieces(spec.device, out)
 
     def copy_to(nbytes: int) -> None:
         nonlocal destination
         if mode == "copy" and destination is None:
             destination = (guess if guess is not None and guess.fits(nbytes)
-                           else _Destination(nbytes, spec.device, out, lazy=fresh_pieces))
+                           else _Destination(nbytes, spec.device, out))
 
     if isinstance(spec, ExpectedShard):
         # Known already: allocate while we ask. (Started after the requests instead, the
@@ -789,17 +765,9 @@ def _from_cache_unchecked(
             for fd in fds:
                 os.close(fd)
         try:
-            copy_fresh = (getattr(imported, "copy_fresh", None)
-                          if destination is not None and fresh_pieces else None)
             copy_into = (getattr(imported, "copy_into", None) if destination is not None
                          else None)
-            if copy_fresh is not None:
-                assert destination is not None
-                # Fresh memory made a piece at a time beside the copies (cuda_vmm): no block
-                # of the allocator's to wait for before the first copy.
-                flat = copy_fresh(plan.layout.nbytes, destination.take)
-                clock.mark("map")
-            elif copy_into is not None:
+            if copy_into is not None:
                 assert destination is not None
                 # The transport maps the arena a piece at a time and queues each piece's copy
                 # into the block allocated meanwhile as soon as that piece is mapped, so the
@@ -914,10 +882,8 @@ def attach(
     if mode == "copy" and out is None:
         _Allocator.warm()  # its thread starts beside the plan, not on the attach's path
         # Bad arguments were never planned, so no plan is kept for them: no guess either.
-        # Fresh memory made beside the copies needs none (`_fresh_in_pieces`).
-        if not _fresh_in_pieces(device, out):
-            guess = _Destination.guess(
-                _plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype), device)
+        guess = _Destination.guess(_plan_key(model_dir, tp_size, tp_rank, shard_rules, dtype),
+                                   device)
     early = _Hello(_early_path(socket_path, socket_dir, device, device_index, role),
                    connect_timeout_s)
     try:

@@ -18,16 +18,6 @@ fails with CUDA_ERROR_INVALID_VALUE, mapping at an offset with CUDA_ERROR_NOT_SU
 driver 580), so with one allocation copy mode's copy waits for the whole map. With pieces, a
 client maps lazily: `tensor()` maps them all (zero copy), `copy_into` maps one piece at a
 time and queues its copy at once, so the copy runs beside the rest of the map.
-
-Copy mode's fresh memory (an engine's first load) may be made the same way
-(`WEIGHTCACHE_COPY_FRESH=vmm`, `copy_fresh`): one `cuMemCreate` allocation per piece of the
-arena, created and mapped into a reserved range of the engine's own as each source piece is
-mapped, so the first copy waits for a quarter of the allocation instead of all of it and the
-rest is created while the copies run. The block is then the engine's, outside torch's caching
-allocator (`torch.cuda.memory_allocated` does not count it; the device's free memory does),
-and goes back to the driver when the last tensor viewing it is freed. Where the device has no
-room for a piece, the copy goes on into torch's block instead (which empties torch's cache
-and retries), so the knob never turns a load that fits into a failure.
 """
 
 from __future__ import annotations
@@ -52,9 +42,6 @@ PIECES_ENV = "WEIGHTCACHE_VMM_PIECES"
 # zero_copy attach maps four handles: 3.2 ms median either way on run52's H100, 0.35 ms more
 # on run56's (4.6-5.1 against 4.1-4.3 ms), under the 10 ms target.
 DEFAULT_PIECES = 4
-FRESH_ENV = "WEIGHTCACHE_COPY_FRESH"
-FRESH_WAYS = ("torch", "vmm")
-DEFAULT_FRESH = "torch"
 
 
 def pieces() -> int:
@@ -62,15 +49,6 @@ def pieces() -> int:
     frame may carry, default DEFAULT_PIECES; an arena smaller than that many granules has
     fewer); a bad value is the default: the knob tunes speed only."""
     return min(positive(PIECES_ENV, DEFAULT_PIECES), MAX_FDS)
-
-
-def fresh_way() -> str:
-    """How copy mode makes fresh memory on CUDA (`WEIGHTCACHE_COPY_FRESH`): `torch` (a block
-    of torch's caching allocator, asked for ahead on the copy-mode thread) or `vmm` (the
-    engine's own allocations, one per piece, made beside the copies: `copy_fresh`). Anything
-    else is the default: the knob tunes speed only."""
-    way = os.environ.get(FRESH_ENV, "").strip().lower()
-    return way if way in FRESH_WAYS else DEFAULT_FRESH
 
 
 def piece_sizes(nbytes: int, gran: int, count: int) -> list[int]:
@@ -312,59 +290,6 @@ class VmmImported(_cuda.MappedImport):
             block = take()
             block[:nbytes].copy_(self.tensor()[:nbytes], non_blocking=True)
         return block
-
-    def copy_fresh(self, nbytes: int, take: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Queue a copy of the arena's first `nbytes` into fresh memory of this process, made
-        a piece at a time beside the copies (one allocation per arena piece, mapped side by
-        side into one reserved range, on the current stream): the block, a flat uint8 tensor
-        that owns the allocations. Where the device has no room for a piece, what is copied so
-        far is dropped and the copy goes on into `take()`'s block (torch's allocator) instead."""
-        if self._memory is None:
-            raise TransportError("mapping is closed")
-        if nbytes > self.nbytes:
-            raise TransportError(f"cannot copy {nbytes} bytes of a {self.nbytes}-byte arena")
-        if not self._fds:  # mapped before (tensor()): nothing to overlap
-            return self.copy_into(take, nbytes)
-        cu = _cuda.driver()
-        stream = torch.cuda.current_stream(torch.device("cuda", self._ordinal)).cuda_stream
-        dest = _Range(self._span.size)
-        try:
-            while self._fds:
-                size = self._sizes[len(dest.mapped)]
-                try:
-                    handle = _cuda.check(cu.cuMemCreate(size, _prop(self._ordinal), 0),
-                                         "cuMemCreate")
-                except _cuda.CudaCallError as exc:
-                    if exc.result != cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-                        raise
-                    return self._copy_fresh_instead(dest, take, nbytes)
-                try:
-                    dest.map(handle, size, self._ordinal)
-                finally:
-                    cu.cuMemRelease(handle)  # the mapping keeps it; freed on unmap
-                at, size = self._map_next()
-                n = min(size, nbytes - at)
-                if n > 0:
-                    _cuda.check(cu.cuMemcpyDtoDAsync(dest.ptr + at, self._span.ptr + at, n,
-                                                     stream), "cuMemcpyDtoDAsync")
-        except BaseException:
-            dest.release()  # waits for the copies queued so far
-            raise
-        return _cuda.DeviceMemory(dest.ptr, nbytes, self._ordinal, dest.release).tensor()
-
-    def _copy_fresh_instead(self, dest: _Range, take: Callable[[], torch.Tensor],
-                            nbytes: int) -> torch.Tensor:
-        """`copy_fresh` out of room: its pieces given back (their copies waited for), the
-        whole copied into torch's block, which may now have room."""
-        dest.release()
-        block = take()
-        done = self._span.end
-        if done:
-            block[:min(done, nbytes)].copy_(
-                _cuda.DeviceMemory(self._span.ptr, min(done, nbytes), self._ordinal,
-                                   lambda: None).tensor(), non_blocking=True)
-        rest = self.copy_into(lambda: block, nbytes)
-        return rest
 
     def close(self) -> None:
         self._close_fds()
