@@ -274,6 +274,70 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
     return out
 
 
+# An engine's first load: a new process (torch imported and the CUDA context made off the clock),
+# its first attach and a second one, or (`alloc`) only a fresh block of the shard's size.
+_FRESH_CHILD = r"""
+import json, sys, time
+import torch
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+from weightcache.client import attach
+model, sock, mode, nbytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+out = {}
+if mode == "alloc":
+    t = time.perf_counter()
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    out["first_ms"] = (time.perf_counter() - t) * 1e3
+else:
+    for key in ("first", "second"):
+        t = time.perf_counter()
+        res = attach(model, device="cuda", socket_path=sock, mode=mode, fallback=False)
+        torch.cuda.synchronize()
+        out[key + "_ms"] = (time.perf_counter() - t) * 1e3
+        out[key + "_phases_ms"] = {k: round(v * 1e3, 3) for k, v in res.phases.items()}
+        out["source"] = res.source
+        del res
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int) -> dict[str, Any]:
+    """Copy mode, zero copy and a bare allocation of the shard's size, each as the first
+    load of a new process, in turn for `rounds` rounds (each process's exit frees its
+    memory before the next starts, as an engine's restart does)."""
+    import subprocess
+    import sys
+
+    ways = ("copy", "zero_copy", "alloc")
+    got: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
+    for r in range(rounds):
+        for w in ways[r % len(ways):] + ways[:r % len(ways)]:
+            proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(model), sock, w,
+                                   str(nbytes)], capture_output=True, text=True, timeout=120)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                raise RuntimeError(f"fresh {w} process failed: {proc.stderr[-2000:]}")
+            got[w].append(json.loads(line[-1][len("RESULT "):]))
+    out: dict[str, Any] = {"rounds": rounds}
+    for w, runs in got.items():
+        firsts = [x["first_ms"] for x in runs]
+        out[w] = {"first_ms": [round(v, 3) for v in firsts],
+                  "first_median_ms": round(statistics.median(firsts), 3)}
+        if w != "alloc":
+            seconds = [x["second_ms"] for x in runs]
+            out[w]["second_median_ms"] = round(statistics.median(seconds), 3)
+            out[w]["first_phases_ms"] = runs[firsts.index(sorted(firsts)[len(firsts) // 2])][
+                "first_phases_ms"]
+            out[w]["source"] = sorted({x["source"] for x in runs})
+        if w == "copy":
+            out[w]["first_tb_per_s"] = round(nbytes / (out[w]["first_median_ms"] / 1e3)
+                                             / 1e12, 3)
+            out[w]["second_tb_per_s"] = round(nbytes / (out[w]["second_median_ms"] / 1e3)
+                                              / 1e12, 3)
+    return out
+
+
 def _phase_line(phases: dict[str, float]) -> str:
     return ", ".join(f"{k} {v}" for k, v in phases.items())
 
@@ -300,6 +364,12 @@ def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
         out["plan_made_ms"] = _plan_ms(model, device, False, 3 if smoke else 10)
         if device.startswith("cuda") or smoke:
             out.update(_copy_figures(model, device, daemon.socket, out["bytes"], smoke))
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()  # this process's blocks back to the device first
+            out["fresh_process"] = _fresh_processes(model, daemon.socket, out["bytes"],
+                                                    2 if smoke else 4)
         return out
     finally:
         daemon.stop()
@@ -436,14 +506,23 @@ def main(argv: list[str]) -> int:
                              f" {s['copy_reused_block_tb_per_s']} TB/s into a kept allocator"
                              f" block, {s['copy_into_out_tb_per_s']} TB/s into out="
                              f" (target >= {TARGETS['copy_tb_per_s']})")
-                settled = [(f"{k[:-len('_settled_tb_per_s')]} settled first",
-                            s[k]) for k in s if k.endswith("_settled_tb_per_s")]
+                settled = {k.removesuffix("_settled_tb_per_s"): v for k, v in s.items()
+                           if k.endswith("_settled_tb_per_s")}
                 if settled:
                     notes.append("settled first (TB/s): " + ", ".join(
-                        f"{k.removesuffix(' settled first')} {v}" for k, v in settled))
+                        f"{k} {v}" for k, v in settled.items()))
                 for name in [k[:-len("_phases_ms")] for k in s if k.startswith("copy")
                              and k.endswith("_phases_ms")]:
                     notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
+                fresh = s.get("fresh_process")
+                if fresh:
+                    notes.append(
+                        "a new process's first load: copy mode"
+                        f" {fresh['copy']['first_median_ms']} ms ({fresh['copy']['first_tb_per_s']}"
+                        f" TB/s; its second {fresh['copy']['second_tb_per_s']} TB/s), zero copy"
+                        f" {fresh['zero_copy']['first_median_ms']} ms, a bare allocation of the"
+                        f" shard's size {fresh['alloc']['first_median_ms']} ms; copy's phases:"
+                        f" {_phase_line(fresh['copy']['first_phases_ms'])}")
             print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
                          ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
         if "scaling" in parts:
