@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from probe_pin import _drop as evict  # torch-free, like this probe (run from tests/gpu)
+
 from weightcache.bench.gpu import timed_threads
 
 MiB = 1 << 20
@@ -32,11 +34,7 @@ PATTERNS = [(32, 16, False), (32, 64, True), (32, 64, False), (64, 16, False), (
 
 
 def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(path)
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as fh:
         fh.write("3\n")
