@@ -93,11 +93,12 @@ while [ $# -gt 0 ]; do
     attach)
       # `weightcache bench --device cuda attach` (weightcache/bench/attach.py): the 291-tensor
       # 16 GB shard (median, first in process, plan, copy mode TB/s) and 300..100k tensors,
-      # on sparse checkpoints (nothing to write); ATTACH_PARTS narrows it (shard,scaling).
+      # a new process's first load (fresh), on sparse checkpoints (nothing to write); ATTACH_PARTS
+      # narrows it (shard,fresh,scaling).
       shift
       WORK=/var/tmp/wc-attach; mkdir -p "$WORK"
       WEIGHTCACHE_BENCH_ATTACH_OUT="$OUT/bench_attach.json" WEIGHTCACHE_BENCH_ATTACH_WORKDIR="$WORK" \
-        WEIGHTCACHE_BENCH_ATTACH_PARTS="${ATTACH_PARTS:-shard,scaling}" \
+        WEIGHTCACHE_BENCH_ATTACH_PARTS="${ATTACH_PARTS:-shard,fresh,scaling}" \
         timeout "${BENCH_TIMEOUT:-300}" python3 -m weightcache.cli bench --device cuda attach 2>&1 | tee "$OUT/bench_attach.log"
       rm -rf "$WORK"
       ;;
