@@ -28,7 +28,8 @@ TIMEOUT_S = {"restart": 600}
 @pytest.mark.parametrize("section", sorted(SECTIONS))
 def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "WEIGHTCACHE_BENCH_RESTART_OUT": str(tmp_path / "restart.json")}
+           "WEIGHTCACHE_BENCH_RESTART_OUT": str(tmp_path / "restart.json"),
+           "WEIGHTCACHE_BENCH_ATTACH_OUT": str(tmp_path / "attach.json")}
     proc = subprocess.run(
         [sys.executable, "-m", "weightcache.cli", "bench", "--device", "cpu", "--smoke", section],
         capture_output=True, text=True, timeout=TIMEOUT_S.get(section, 240), env=env,
@@ -42,6 +43,13 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
     else:
         assert not skipped, out[-4000:]
         assert "Traceback" not in out, out[-4000:]
+    if section == "attach":  # a new process's first load came from the cache, both modes
+        fresh = json.loads((tmp_path / "attach.json").read_text())["fresh"]
+        for mode in ("copy", "zero_copy"):
+            assert fresh[mode]["source"] == ["cache"], fresh
+            assert len(fresh[mode]["first_ms"]) == fresh["rounds"] == 2, fresh
+            assert fresh[mode]["second_median_ms"] > 0, fresh
+        assert len(fresh["alloc"]["first_ms"]) == 2 and fresh["bytes"] > 0, fresh
     if section == "restart":  # the fresh node's daemon starts as a node's first start does
         fresh = json.loads((tmp_path / "restart.json").read_text())["fresh_node"]
         assert fresh["summary"]["cache_overlapped_seeded"] is True, fresh["summary"]

@@ -7,10 +7,11 @@ Parts (WEIGHTCACHE_BENCH_ATTACH_PARTS, default all):
   (`weightcache.client.attach`, zero copy, fallback off): the first attach in this process
   (torch imported, plan not yet made), the median of repeats, the plan alone (kept and
   made anew) and, on CUDA, copy mode end to end (one copy of the arena, then views) in TB/s.
-- `fresh` (CUDA): the same shard's first load in new processes, as an engine's restart has
-  it (torch imported and the CUDA context made off the clock): copy mode, zero copy and a
-  bare allocation of the shard's size, in turn over 4 rounds, each process's exit freeing its
-  memory before the next starts; copy mode's second attach in the same process beside it.
+- `fresh`: the same shard's first load in new processes, as an engine's restart has it
+  (torch imported and, on CUDA, the context made off the clock): copy mode, zero copy, a
+  bare allocation of the shard's size and `load_file` of its files, in turn over 4 rounds,
+  each process's exit freeing its memory before the next starts; copy mode's and zero copy's
+  second attach in the same process beside them.
 - `scaling`: one file of N 1 KiB tensors named like MoE experts, N = 300 / 3,000 / 30,000 /
   100,000 (smoke: 30 / 300): the median attach, the first attach of each count with no
   kept plan, and the marginal cost per tensor (least squares over the counts), with
@@ -283,21 +284,33 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
 _FRESH_CHILD = r"""
 import json, sys, time
 import torch
-torch.empty(1, device="cuda")
-torch.cuda.synchronize()
+model, sock, mode, nbytes, device = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                     sys.argv[5])
+cuda = device.startswith("cuda")
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+torch.empty(1, device=device)
+sync()
 from weightcache.client import attach
-model, sock, mode, nbytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 out = {}
 if mode == "alloc":
     t = time.perf_counter()
-    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync()
+    out["first_ms"] = (time.perf_counter() - t) * 1e3
+elif mode == "load_file":
+    from pathlib import Path
+    from safetensors.torch import load_file
+    t = time.perf_counter()
+    state = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        state.update(load_file(str(f), device=device))
+    sync()
     out["first_ms"] = (time.perf_counter() - t) * 1e3
 else:
     for key in ("first", "second"):
         t = time.perf_counter()
-        res = attach(model, device="cuda", socket_path=sock, mode=mode, fallback=False)
-        torch.cuda.synchronize()
+        res = attach(model, device=device, socket_path=sock, mode=mode, fallback=False)
+        sync()
         out[key + "_ms"] = (time.perf_counter() - t) * 1e3
         out[key + "_phases_ms"] = {k: round(v * 1e3, 3) for k, v in res.phases.items()}
         out["source"] = res.source
@@ -306,19 +319,22 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int) -> dict[str, Any]:
-    """Copy mode, zero copy and a bare allocation of the shard's size, each as the first
-    load of a new process, in turn for `rounds` rounds (each process's exit frees its
-    memory before the next starts, as an engine's restart does)."""
+def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: str
+                     ) -> dict[str, Any]:
+    """Copy mode, zero copy, a bare allocation of the shard's size and `load_file` of its
+    files (the page cache holds them: sparse), each as the first load of a new process, in
+    turn for `rounds` rounds (each process's exit frees its memory before the next starts,
+    as an engine's restart does)."""
     import subprocess
     import sys
 
-    ways = ("copy", "zero_copy", "alloc")
+    ways = ("copy", "zero_copy", "alloc", "load_file")
     got: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
     for r in range(rounds):
         for w in ways[r % len(ways):] + ways[:r % len(ways)]:
             proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(model), sock, w,
-                                   str(nbytes)], capture_output=True, text=True, timeout=120)
+                                   str(nbytes), device], capture_output=True, text=True,
+                                  timeout=120)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
                 raise RuntimeError(f"fresh {w} process failed: {proc.stderr[-2000:]}")
@@ -328,7 +344,7 @@ def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int) -> dict[s
         firsts = [x["first_ms"] for x in runs]
         out[w] = {"first_ms": [round(v, 3) for v in firsts],
                   "first_median_ms": round(statistics.median(firsts), 3)}
-        if w != "alloc":
+        if w in ("copy", "zero_copy"):
             seconds = [x["second_ms"] for x in runs]
             out[w]["second_median_ms"] = round(statistics.median(seconds), 3)
             out[w]["first_phases_ms"] = runs[firsts.index(sorted(firsts)[len(firsts) // 2])][
@@ -374,16 +390,16 @@ def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
         shutil.rmtree(model, ignore_errors=True)
 
 
-def part_fresh(work: Path, smoke: bool) -> dict[str, Any]:
-    """The 291-tensor shard's first load in new processes (CUDA): `_fresh_processes`."""
-    dims = SMALL_8B if smoke else LLAMA_8B
+def part_fresh(work: Path, device: str, smoke: bool) -> dict[str, Any]:
+    """The 291-tensor shard's first load in new processes: `_fresh_processes`."""
+    dims = LLAMA_8B if device.startswith("cuda") and not smoke else SMALL_8B
     model = write_sparse(work / "fresh", llama_specs(**dims), files=4)
     _aged(model)
-    daemon = Daemon(model, "cuda")
+    daemon = Daemon(model, device)
     try:
         nbytes = daemon.ready["bytes"]
         return {"tensors": 291, "bytes": nbytes,
-                **_fresh_processes(model, daemon.socket, nbytes, 2 if smoke else 4)}
+                **_fresh_processes(model, daemon.socket, nbytes, 2 if smoke else 4, device)}
     finally:
         daemon.stop()
         shutil.rmtree(model, ignore_errors=True)
@@ -481,7 +497,7 @@ def main(argv: list[str]) -> int:
     import logging
 
     logging.getLogger("weightcache.client").setLevel(logging.ERROR)
-    default = "shard,fresh,scaling" if device.startswith("cuda") else "shard,scaling,burst"
+    default = "shard,fresh,scaling" if device.startswith("cuda") else "shard,fresh,scaling,burst"
     parts = set((os.environ.get("WEIGHTCACHE_BENCH_ATTACH_PARTS") or default).split(","))
     work = Path(os.environ.get("WEIGHTCACHE_BENCH_ATTACH_WORKDIR") or
                 tempfile.mkdtemp(prefix="wc-attach-"))
@@ -529,21 +545,24 @@ def main(argv: list[str]) -> int:
                     notes.append(f"{name} phases, ms: {_phase_line(s[name + '_phases_ms'])}")
             print_ratios(f"attach ({device}): 291 tensors, {s['bytes'] / 1e9:.2f} GB",
                          ("load_file of the same files", s["load_file_s"]), rows, notes=notes)
-        if "fresh" in parts and device.startswith("cuda"):
-            f = report["fresh"] = part_fresh(work, args.smoke)
+        if "fresh" in parts:
+            f = report["fresh"] = part_fresh(work, device, args.smoke)
             save()
             print_ratios(
                 f"attach ({device}): a new process's first load, {f['bytes'] / 1e9:.2f} GB",
-                ("a fresh block of the shard's size", f["alloc"]["first_median_ms"] / 1e3),
+                ("load_file of the same files (page cache)",
+                 f["load_file"]["first_median_ms"] / 1e3),
                 [("copy mode, first attach", f["copy"]["first_median_ms"] / 1e3),
                  ("copy mode, second attach", f["copy"]["second_median_ms"] / 1e3),
-                 ("zero copy, first attach", f["zero_copy"]["first_median_ms"] / 1e3)],
+                 ("zero copy, first attach", f["zero_copy"]["first_median_ms"] / 1e3),
+                 ("a fresh block of the shard's size", f["alloc"]["first_median_ms"] / 1e3)],
                 notes=[f"copy mode {f['copy']['first_tb_per_s']} TB/s first,"
                        f" {f['copy']['second_tb_per_s']} TB/s second"
                        f" (target >= {TARGETS['copy_tb_per_s']})",
                        f"copy's first phases, ms: {_phase_line(f['copy']['first_phases_ms'])}",
                        f"firsts, ms: copy {f['copy']['first_ms']}, zero copy"
-                       f" {f['zero_copy']['first_ms']}, allocation {f['alloc']['first_ms']}"])
+                       f" {f['zero_copy']['first_ms']}, allocation {f['alloc']['first_ms']},"
+                       f" load_file {f['load_file']['first_ms']}"])
         if "scaling" in parts:
             rows = report["scaling"] = part_scaling(work, device, args.smoke)
             report["marginal_us_per_tensor"] = _slope_us(rows, "median_ms")
