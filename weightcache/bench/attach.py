@@ -226,7 +226,8 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
     engine's first load), into a kept allocator block, and into the caller's block (`out=`),
     each with its phases (attach, alloc, copy, views, release, check). On CUDA each also
     `_settled`: with the copy-mode thread's work left by the attach before (the unmap of its
-    mapping) done first, as in an engine's one load per process; the ways run in turn."""
+    mapping) done and the device idle first; the ways run in turn. (An engine's first load
+    in a new process is the `fresh` part's.)"""
     import torch
 
     from weightcache.native.engine.attach import _Allocator
@@ -280,7 +281,8 @@ def _copy_figures(model: Path, device: str, sock: str, nbytes: int, smoke: bool
 
 
 # An engine's first load: a new process (torch imported and the CUDA context made off the clock),
-# its first attach and a second one, or (`alloc`) only a fresh block of the shard's size.
+# its first attach and a second one; or (`alloc`) only a fresh block of the shard's size; or
+# (`load_file`) the files loaded as an engine without the cache does.
 _FRESH_CHILD = r"""
 import json, sys, time
 import torch
