@@ -30,6 +30,7 @@ them as JSON. Targets are shown, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
@@ -365,12 +366,23 @@ def _phase_line(phases: dict[str, float]) -> str:
 
 
 # -- parts --------------------------------------------------------------------------------
-def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def _served_shard(work: Path, name: str, device: str, smoke: bool) -> Any:
+    """The 291-tensor shard (Llama-3.1-8B's shapes on CUDA, small ones on CPU or in a smoke
+    run) written sparse and served by a daemon: (its directory, the daemon)."""
     dims = LLAMA_8B if device.startswith("cuda") and not smoke else SMALL_8B
-    model = write_sparse(work / "shard", llama_specs(**dims), files=4)
+    model = write_sparse(work / name, llama_specs(**dims), files=4)
     _aged(model)
     daemon = Daemon(model, device)
     try:
+        yield model, daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(model, ignore_errors=True)
+
+
+def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
+    with _served_shard(work, "shard", device, smoke) as (model, daemon):
         out: dict[str, Any] = {"tensors": 291, "bytes": daemon.ready["bytes"]}
         # An engine imports the client when it starts, before its first attach: timed on
         # its own (0 when an earlier part imported it).
@@ -387,24 +399,14 @@ def part_shard(work: Path, device: str, smoke: bool) -> dict[str, Any]:
         if device.startswith("cuda") or smoke:
             out.update(_copy_figures(model, device, daemon.socket, out["bytes"], smoke))
         return out
-    finally:
-        daemon.stop()
-        shutil.rmtree(model, ignore_errors=True)
 
 
 def part_fresh(work: Path, device: str, smoke: bool) -> dict[str, Any]:
     """The 291-tensor shard's first load in new processes: `_fresh_processes`."""
-    dims = LLAMA_8B if device.startswith("cuda") and not smoke else SMALL_8B
-    model = write_sparse(work / "fresh", llama_specs(**dims), files=4)
-    _aged(model)
-    daemon = Daemon(model, device)
-    try:
+    with _served_shard(work, "fresh", device, smoke) as (model, daemon):
         nbytes = daemon.ready["bytes"]
         return {"tensors": 291, "bytes": nbytes,
                 **_fresh_processes(model, daemon.socket, nbytes, 2 if smoke else 4, device)}
-    finally:
-        daemon.stop()
-        shutil.rmtree(model, ignore_errors=True)
 
 
 def part_scaling(work: Path, device: str, smoke: bool) -> list[dict[str, Any]]:
