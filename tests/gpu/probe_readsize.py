@@ -5,7 +5,8 @@ reader), the bench's device read with 32 readers of 64 MiB, popping its jobs fro
 torch-free process reading the fill's way reached 1.69-1.83 GB/s where the device read ran
 1.87-2.17 (run95). This reads one file of PROBE_GB GiB with every cache dropped before each
 read, pattern after pattern in turn for PROBE_ROUNDS rounds: readers x MiB, front to back or
-back to front, so the pattern's own cost is seen apart from the rank's.
+back to front (the bench's own device read, `raw_read_rate`), so the pattern's own cost is seen
+apart from the rank's.
 
 Run: `python3 tests/gpu/probe_readsize.py` as root on the device
 (tests/gpu/run_device.sh probe_readsize). Needs no torch and no GPU.
@@ -14,17 +15,15 @@ Run: `python3 tests/gpu/probe_readsize.py` as root on the device
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from probe_pin import _drop as evict  # torch-free, like this probe (run from tests/gpu)
 
-from weightcache.bench.gpu import timed_threads
+from weightcache.bench.gpu import raw_read_rate
 
 MiB = 1 << 20
 GB = 1e9
@@ -52,40 +51,6 @@ def _write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def read(path: Path, readers: int, chunk: int, backward: bool) -> dict[str, Any]:
-    size = path.stat().st_size
-    jobs = list(range(0, size, chunk))
-    if not backward:
-        jobs.reverse()  # popped from the end: front to back
-    lock = threading.Lock()
-    total = [0]
-    firsts: list[float] = []
-    t0 = time.perf_counter()
-
-    def worker() -> None:
-        buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            while True:
-                with lock:
-                    if not jobs:
-                        break
-                    off = jobs.pop()
-                n = os.preadv(fd, [buf], off)
-                with lock:
-                    if not firsts:
-                        firsts.append(time.perf_counter() - t0)
-                    total[0] += n
-        finally:
-            os.close(fd)
-            buf.close()
-
-    dt = timed_threads(worker, readers)
-    return {"readers": readers, "mib": chunk // MiB, "backward": backward,
-            "seconds": round(dt, 3), "gb_per_s": round(total[0] / dt / GB, 3),
-            "first_s": round(firsts[0], 4) if firsts else None}
-
-
 def main() -> None:
     workdir = Path(os.environ.get("PROBE_DIR", "/var/tmp/wc-readsize"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -99,14 +64,14 @@ def main() -> None:
         for i in range(len(PATTERNS)):
             readers, mib, backward = PATTERNS[(i + r) % len(PATTERNS)]  # each round rotated
             _drop(path)
-            got = read(path, readers, mib * MiB, backward)
+            got = raw_read_rate([path], readers, True, mib * MiB, backward)
             got["round"] = r
             out["reads"].append(got)
             print(json.dumps(got), flush=True)
     summary = {}
     for readers, mib, backward in PATTERNS:
         rates = [g["gb_per_s"] for g in out["reads"]
-                 if (g["readers"], g["mib"], g["backward"]) == (readers, mib, backward)]
+                 if (g["threads"], g["chunk_mib"], g["backward"]) == (readers, mib, backward)]
         summary[f"{readers}x{mib}MiB{' back' if backward else ''}"] = {
             "gb_per_s": rates, "median": round(statistics.median(rates), 3)}
     out["summary"] = summary

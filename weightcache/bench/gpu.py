@@ -232,12 +232,16 @@ def timed_threads(worker: Any, count: int) -> float:
     return time.perf_counter() - t0
 
 
-def raw_read_rate(files: list[Path], threads: int, direct: bool, chunk: int = 64 * MiB
-                  ) -> dict[str, Any]:
-    """Disk (or page cache) read rate alone: parallel large reads, no GPU involved."""
+def raw_read_rate(files: list[Path], threads: int, direct: bool, chunk: int = 64 * MiB,
+                  backward: bool = True) -> dict[str, Any]:
+    """Disk (or page cache) read rate alone: parallel large reads, no GPU involved; the jobs
+    are taken from the last file's end (`backward`, the device read's order) or from the
+    first file's start."""
     import numpy as np
 
     jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
+    if not backward:
+        jobs.reverse()  # popped from the end: front to back
     lock = threading.Lock()
     total = [0]
 
@@ -265,7 +269,8 @@ def raw_read_rate(files: list[Path], threads: int, direct: bool, chunk: int = 64
 
     dt = timed_threads(worker, threads)
     return {"threads": threads, "direct": direct, "chunk_mib": chunk // MiB,
-            "seconds": round(dt, 3), "gb_per_s": round(total[0] / dt / GB, 2)}
+            "backward": backward, "seconds": round(dt, 3),
+            "gb_per_s": round(total[0] / dt / GB, 2)}
 
 
 def h2d_rate(nbytes: int = 4 << 30) -> dict[str, Any]:
