@@ -30,13 +30,17 @@ RANK = 1  # the daemon of global rank 1 (TP 2): port base + 1
 
 
 def free_base(n: int) -> int:
-    """A base port with `n` free ports above it (loopback)."""
+    """A base port with `n` free ports above it (loopback), below the kernel's ephemeral range:
+    vLLM binds it only later, and a port the kernel hands out for `bind(0)` meanwhile (another
+    test worker's) could take it first (seen once: EADDRINUSE in the source's bind)."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+        base = random.randrange(10000, max(10001, low - n))
         try:
             socks = []
             for p in range(base, base + n):
