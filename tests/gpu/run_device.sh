@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU tests and/or the GPU benchmark on a CUDA machine, logging under $OUT.
-#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_prefetch_gil] [probe_tp_early] [probe_torchfree] [probe_readsize]
+#   tests/gpu/run_device.sh [tests] [bench MODELS] [update SIZE] [load] [attach] [restart SIZE] [probe] [probe_staging] [probe_copy] [probe_pin] [probe_ready_start] [probe_import_order] [probe_prefetch_gil] [probe_tp_early] [probe_torchfree] [probe_readsize] [probe_first_attach]
 #   e.g.  tests bench 1b,8b update 8b     or     restart 8b
 # Works from a plain checkout (no install): it needs only the machine's python3 with torch,
 # safetensors, msgpack and cuda-python.
@@ -172,6 +172,13 @@ while [ $# -gt 0 ]; do
       PROBE_DIR=/var/tmp/wc-readsize PROBE_OUT="$OUT/probe_readsize.json" \
         timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_readsize.py 2>&1 | tee "$OUT/probe_readsize.log"
       rm -rf /var/tmp/wc-readsize
+      ;;
+    probe_first_attach)
+      # tests/gpu/probe_first_attach.py: a new process's first attach of the 16 GB shard, with
+      # and without the driver bindings imported first, the bindings' own costs, a profile.
+      shift
+      PROBE_DIR=/var/tmp PROBE_OUT="$OUT/probe_first_attach.json" \
+        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_first_attach.py 2>&1 | tee "$OUT/probe_first_attach.log"
       ;;
     probe_import_order)
       # tests/gpu/probe_import_order.py: a cold import set read in the recorded order and in
