@@ -16,6 +16,14 @@ VLLM_VERSIONS := $(shell cat tests/conformance/versions.txt)
 VLLM_DIR := $(VENV)/vllm
 VLLM_REQS := tests/conformance/requirements-vllm-cpu.txt
 
+# cuda-python's driver bindings, the version the GPU machines have, in a folder of their own
+# (8 MB, no CUDA libraries): tests/native/test_libcuda.py checks the ctypes driver binding's
+# structs and enums against them in a child process. Not in the venv: with them importable,
+# torch >= 2.13's own `import torch` imports them (torch/cuda/_utils.py), and they run
+# `ldconfig -p` on import, which the suite checks no rank or engine import does.
+CUDA_BINDINGS := cuda-bindings==13.3.1
+CUDA_BINDINGS_DIR := $(VENV)/cuda-bindings
+
 # `make test` runs the suite on TEST_JOBS pytest-xdist workers (auto: one per core). Most tests
 # wait on the processes they start (a daemon's ranks importing torch), so one worker leaves
 # about half of a 2-core machine idle; `worksteal` keeps each module's tests together on one
@@ -26,7 +34,7 @@ VLLM_REQS := tests/conformance/requirements-vllm-cpu.txt
 TEST_JOBS ?= auto
 
 .PHONY: all venv demo test lint bench bench-gpu test-gpu crds proto tools prometheus clean \
-  vllm-conformance conformance images chart fuzz
+  vllm-conformance conformance cuda-bindings images chart fuzz
 
 all: test
 
@@ -46,6 +54,13 @@ $(VLLM_DIR)/%/.installed: $(VLLM_REQS) $(STAMP)
 	touch $@
 
 vllm-conformance: $(foreach v,$(VLLM_VERSIONS),$(VLLM_DIR)/$(v)/.installed)
+
+$(CUDA_BINDINGS_DIR)/.installed: $(STAMP)
+	rm -rf $(CUDA_BINDINGS_DIR)
+	$(BIN)/pip install -q --target $(CUDA_BINDINGS_DIR) "$(CUDA_BINDINGS)"
+	touch $@
+
+cuda-bindings: $(CUDA_BINDINGS_DIR)/.installed
 
 conformance: vllm-conformance
 	WEIGHTCACHE_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -rs tests/conformance
@@ -68,10 +83,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -P -m weightcache.testing.layering
 
-test: $(STAMP) tools prometheus vllm-conformance
+test: $(STAMP) tools prometheus vllm-conformance cuda-bindings
 	$(BIN)/ruff check .
 	$(BIN)/python -P -m weightcache.testing.layering  # lint-imports over the installed layout
-	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 PYTHONDONTWRITEBYTECODE= \
+	PATH="$(abspath $(TOOLS)):$$PATH" WEIGHTCACHE_REQUIRE_VLLM=1 WEIGHTCACHE_REQUIRE_CUDA_BINDINGS=1 \
+	  PYTHONDONTWRITEBYTECODE= \
 	  $(BIN)/python -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal
 
 # The property tests of the native cache with many more examples (minutes, not seconds).

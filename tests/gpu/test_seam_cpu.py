@@ -8,8 +8,6 @@ planning and copying (its CPU path runs the same job plan as the CUDA one).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -29,6 +27,7 @@ from weightcache.native.shared.transport import (
     default_transport,
     get_transport,
 )
+from weightcache.testing.processes import run_without_cuda_python
 
 UUID = "GPU-4f1e2a3b-1c2d-3e4f-5a6b-7c8d9e0f1a2b"
 
@@ -105,12 +104,6 @@ def test_ipc_handle_round_trips_through_hex():
 def test_transport_modules_import_without_cuda_python():
     code = textwrap.dedent(
         """
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name == "cuda" or name.startswith("cuda."):
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
         import torch
         from weightcache.native.shared.transport import cuda_vmm, cuda_ipc, _cuda, default_transport
         assert not _cuda.bindings_importable()
@@ -120,9 +113,7 @@ def test_transport_modules_import_without_cuda_python():
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    out = run_without_cuda_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 

@@ -82,3 +82,21 @@ def run_attach(args: list[str], env: dict[str, str] | None = None) -> dict[str, 
     return json.loads(lines[-1])
 
 
+
+
+# Prepended to a child's code: every `cuda` module (cuda-python) fails to import, as on a
+# machine without it, whatever this one has installed.
+_NO_CUDA_PYTHON = '''import sys
+class _NoCudaPython:
+    def find_spec(self, name, path=None, target=None):
+        if name == "cuda" or name.startswith("cuda."):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, _NoCudaPython())
+'''
+
+
+def run_without_cuda_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that cannot import cuda-python (stdout and stderr as
+    text)."""
+    return subprocess.run([sys.executable, "-c", _NO_CUDA_PYTHON + code], capture_output=True,
+                          text=True, timeout=timeout, check=False)

@@ -168,7 +168,7 @@ def _release(files: list[_File], ordinal: int | None) -> None:
                 from ..shared.transport import _cuda
 
                 _cuda.make_current(ordinal)
-                _cuda.driver().cuMemHostUnregister(f.addr)
+                _cuda.bindings().cuMemHostUnregister(f.addr)
             f.registered = False
         if f.addr and _munmap is not None:
             _munmap(f.addr, f.length)
@@ -305,7 +305,7 @@ class FileImage:
 def _copy_2d(src: int, pitch: int, dst: int, width: int, height: int, stream: int) -> None:
     from ..shared.transport import _cuda
 
-    cu = _cuda.driver()
+    cu = _cuda.bindings()
     copy = cu.CUDA_MEMCPY2D()
     copy.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
     copy.srcHost = src
@@ -378,7 +378,7 @@ def _register_all(files: list[Any], ordinal: int) -> None:
 def _register(f: _File, ordinal: int) -> None:
     from ..shared.transport import _cuda
 
-    cu = _cuda.driver()
+    cu = _cuda.bindings()
     _cuda.make_current(ordinal)
     result = cu.cuMemHostRegister(f.addr, f.length, CU_MEMHOSTREGISTER_READ_ONLY)
     err = result[0] if isinstance(result, tuple) else result
@@ -412,7 +412,7 @@ def file_image(layout: Any, digest: list[Path], device: torch.device, *, share: 
     if device.type == "cuda":
         from ..shared.transport import _cuda
 
-        if not _cuda.bindings_importable():
+        if not _cuda.full_bindings_importable():
             raise ImageRefused("no CUDA driver bindings")
         ordinal = _cuda.device_ordinal(device)
     t0 = time.monotonic()
@@ -516,4 +516,4 @@ def refusal(layout: Any, device: torch.device) -> str | None:
         return None
     from ..shared.transport import _cuda
 
-    return None if _cuda.bindings_importable() else "no CUDA driver bindings"
+    return None if _cuda.full_bindings_importable() else "no CUDA driver bindings"

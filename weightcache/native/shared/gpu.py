@@ -60,14 +60,14 @@ def canonical_identity(value: str) -> str | None:
 
 
 def _driver():
-    from cuda.bindings import driver  # lazy: GPU nodes only
+    from .cudadriver import driver  # lazy: GPU nodes only (cuda-python or the ctypes binding)
 
-    return driver
+    return driver()
 
 
 def visible_device_uuids() -> list[str] | None:
     """The UUID of each CUDA device this process sees (CUDA_VISIBLE_DEVICES applied), by index,
-    from the driver, without torch; None without cuda-python or a working driver.
+    from the driver, without torch; None without a driver binding or a working driver.
 
     The launcher checks the layout against the devices before starting ranks; importing torch
     for that cost it ~5 s on the H200 VM, which every rank then paid again for its own import.
@@ -105,7 +105,7 @@ def device_uuid(device) -> str:
 
     The driver first: a daemon rank names its socket (and takes its lock) before it imports
     torch, and reads its checkpoint while torch imports (`earlyread`); torch only where
-    cuda-python is missing.
+    no driver binding is.
     """
     index = device_index(device)
     try:

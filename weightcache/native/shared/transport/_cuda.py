@@ -1,7 +1,8 @@
 """Shared helpers of the CUDA transports: driver loading, error checks, tensor views.
 
-The driver bindings (`cuda-python`'s `cuda.bindings.driver`) are imported on first use only,
-so CPU installs import the transport modules without them and simply find them unavailable.
+The driver binding (`cuda-python`'s `cuda.bindings.driver`, or the project's ctypes one:
+`native/shared/cudadriver.py` chooses) is loaded on first use only, so CPU installs import the
+transport modules without it and simply find the CUDA transports unavailable.
 Tensors over raw device pointers are built through `__cuda_array_interface__`, a public
 protocol torch consumes with `torch.as_tensor`; torch keeps a reference to the exporting
 object for as long as any tensor (or view) uses the memory, which is what keeps a mapping
@@ -11,7 +12,6 @@ alive while an engine still holds its weights.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import weakref
@@ -20,28 +20,46 @@ from typing import Any
 
 import torch
 
+from .. import cudadriver
 from ..gpu import device_uuid
 from .base import TransportError, TransportUnavailableError
 
 
-@functools.cache
 def driver():
-    """The `cuda.bindings.driver` module (older `cuda-python`: `cuda.cuda`)."""
+    """The driver binding this process calls (`cudadriver.driver`: cuda-python's, or the
+    ctypes one where `WEIGHTCACHE_CUDA_DRIVER=ctypes`)."""
     try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        try:
-            from cuda import cuda as cu  # cuda-python < 12.6 layout
-        except ImportError as exc:
-            raise TransportUnavailableError(
-                "CUDA transports need the driver bindings: pip install 'weightcache[cuda]'"
-            ) from exc
-    return cu
+        return cudadriver.driver()
+    except ImportError as exc:
+        raise TransportUnavailableError(
+            "CUDA transports need the driver bindings: pip install 'weightcache[cuda]'"
+        ) from exc
+
+
+def bindings():
+    """cuda-python's driver module itself, for the calls the ctypes binding does not make
+    (the daemon's staging)."""
+    try:
+        return cudadriver.bindings()
+    except ImportError as exc:
+        raise TransportUnavailableError(
+            "this needs cuda-python's driver bindings: pip install 'weightcache[cuda]'"
+        ) from exc
 
 
 def bindings_importable() -> bool:
+    """Whether a driver binding can be had (`driver()`), whichever it is."""
     try:
         driver()
+    except TransportUnavailableError:
+        return False
+    return True
+
+
+def full_bindings_importable() -> bool:
+    """Whether cuda-python's own bindings can be had (`bindings()`)."""
+    try:
+        bindings()
     except TransportUnavailableError:
         return False
     return True
@@ -51,7 +69,7 @@ def error_name(err: Any) -> str:
     cu = driver()
     try:
         found, name = cu.cuGetErrorName(err)
-        if found == cu.CUresult.CUDA_SUCCESS and name:
+        if int(found) == 0 and name:
             return name.decode() if isinstance(name, bytes) else str(name)
     except Exception:  # naming the error must never hide it
         pass
@@ -71,12 +89,11 @@ class CudaCallError(TransportError):
 
 def check(result: Any, what: str, error: type[TransportError] = CudaCallError) -> Any:
     """Unpack a `cuda-python` result tuple, raising `error` on anything but success."""
-    cu = driver()
     if isinstance(result, tuple):
         err, values = result[0], result[1:]
     else:
         err, values = result, ()
-    if err != cu.CUresult.CUDA_SUCCESS:
+    if int(err) != 0:  # CUDA_SUCCESS, whichever binding's enum `err` is
         raise error(f"{what} failed: {error_name(err)}", err)
     if not values:
         return None
