@@ -19,7 +19,7 @@ result code this module does not name comes back as a plain int, which compares 
 `CUresult.CUDA_SUCCESS` like a member does.
 
 Symbols: the versioned names cuda.h maps the API names to, resolved by `dlsym` (ctypes
-attribute lookup). Rules, from cuda.h (CUDA 13.0, /usr/local/cuda-13.0/include/cuda.h lines
+attribute lookup). Rules, from cuda.h (CUDA 13.0's include/cuda.h, lines
 89-154; CUDA 11.x and 12.x headers have the same lines for these calls):
 
     #define cuMemAlloc           cuMemAlloc_v2
