@@ -43,9 +43,9 @@ def test_section_runs_at_smoke_size(section: str, tmp_path) -> None:
     else:
         assert not skipped, out[-4000:]
         assert "Traceback" not in out, out[-4000:]
-    if section == "attach":  # a new process's first load came from the cache, both modes
+    if section == "attach":  # a new process's first load came from the cache: each mode, binding
         fresh = json.loads((tmp_path / "attach.json").read_text())["fresh"]
-        for mode in ("copy", "zero_copy"):
+        for mode in ("copy", "zero_copy", "copy_ctypes", "zero_copy_ctypes"):
             assert fresh[mode]["source"] == ["cache"], fresh
             assert len(fresh[mode]["first_ms"]) == fresh["rounds"] == 2, fresh
             assert fresh[mode]["second_median_ms"] > 0, fresh

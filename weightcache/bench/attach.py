@@ -9,7 +9,8 @@ Parts (WEIGHTCACHE_BENCH_ATTACH_PARTS, default all):
   made anew) and, on CUDA, copy mode end to end (one copy of the arena, then views) in TB/s.
 - `fresh`: the same shard's first load in new processes, as an engine's restart has it
   (torch imported and, on CUDA, the context made off the clock): copy mode, zero copy, a
-  bare allocation of the shard's size and `load_file` of its files, in turn over 4 rounds,
+  bare allocation of the shard's size and `load_file` of its files, and both modes with the
+  ctypes driver binding (`WEIGHTCACHE_CUDA_DRIVER=ctypes`), in turn over 4 rounds,
   each process's exit freeing its memory before the next starts; copy mode's and zero copy's
   second attach in the same process beside them.
 - `scaling`: one file of N 1 KiB tensors named like MoE experts, N = 300 / 3,000 / 30,000 /
@@ -324,17 +325,23 @@ def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: s
     """Copy mode, zero copy, a bare allocation of the shard's size and `load_file` of its
     files (the page cache holds them: sparse), each as the first load of a new process, in
     turn for `rounds` rounds (each process's exit frees its memory before the next starts,
-    as an engine's restart does)."""
+    as an engine's restart does); and both modes with the ctypes driver binding chosen
+    (`copy_ctypes`, `zero_copy_ctypes`: WEIGHTCACHE_CUDA_DRIVER=ctypes, cudadriver.py). On
+    CPU no driver binding is called: there those two only run the bench's own code."""
     import subprocess
     import sys
 
-    ways = ("copy", "zero_copy", "alloc", "load_file")
+    from weightcache.native.shared import cudadriver
+
+    ways = ("copy", "zero_copy", "alloc", "load_file", "copy_ctypes", "zero_copy_ctypes")
     got: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
     for r in range(rounds):
         for w in ways[r % len(ways):] + ways[:r % len(ways)]:
-            proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(model), sock, w,
-                                   str(nbytes), device], capture_output=True, text=True,
-                                  timeout=120)
+            env = {**os.environ, cudadriver.DRIVER_ENV: cudadriver.CTYPES
+                   if w.endswith("_ctypes") else cudadriver.BINDINGS}
+            proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(model), sock,
+                                   w.removesuffix("_ctypes"), str(nbytes), device],
+                                  capture_output=True, text=True, timeout=120, env=env)
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
                 raise RuntimeError(f"fresh {w} process failed: {proc.stderr[-2000:]}")
@@ -344,13 +351,13 @@ def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: s
         firsts = [x["first_ms"] for x in runs]
         out[w] = {"first_ms": [round(v, 3) for v in firsts],
                   "first_median_ms": round(statistics.median(firsts), 3)}
-        if w in ("copy", "zero_copy"):
+        if w.removesuffix("_ctypes") in ("copy", "zero_copy"):
             seconds = [x["second_ms"] for x in runs]
             out[w]["second_median_ms"] = round(statistics.median(seconds), 3)
             out[w]["first_phases_ms"] = runs[firsts.index(sorted(firsts)[len(firsts) // 2])][
                 "first_phases_ms"]
             out[w]["source"] = sorted({x["source"] for x in runs})
-        if w == "copy":
+        if w.startswith("copy"):
             out[w]["first_tb_per_s"] = round(nbytes / (out[w]["first_median_ms"] / 1e3)
                                              / 1e12, 3)
             out[w]["second_tb_per_s"] = round(nbytes / (out[w]["second_median_ms"] / 1e3)
@@ -556,7 +563,10 @@ def main(argv: list[str]) -> int:
                 [("copy mode, first attach", f["copy"]["first_median_ms"] / 1e3),
                  ("copy mode, second attach", f["copy"]["second_median_ms"] / 1e3),
                  ("zero copy, first attach", f["zero_copy"]["first_median_ms"] / 1e3),
-                 ("a fresh block of the shard's size", f["alloc"]["first_median_ms"] / 1e3)],
+                 ("a fresh block of the shard's size", f["alloc"]["first_median_ms"] / 1e3)]
+                + [(f"{label}, first attach, ctypes driver binding",
+                    f[f"{mode}_ctypes"]["first_median_ms"] / 1e3)
+                   for mode, label in (("copy", "copy mode"), ("zero_copy", "zero copy"))],
                 notes=[f"copy mode {f['copy']['first_tb_per_s']} TB/s first,"
                        f" {f['copy']['second_tb_per_s']} TB/s second"
                        f" (target >= {TARGETS['copy_tb_per_s']})",
