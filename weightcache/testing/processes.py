@@ -82,8 +82,6 @@ def run_attach(args: list[str], env: dict[str, str] | None = None) -> dict[str, 
     return json.loads(lines[-1])
 
 
-
-
 # Prepended to a child's code: every `cuda` module (cuda-python) fails to import, as on a
 # machine without it, whatever this one has installed.
 _NO_CUDA_PYTHON = '''import sys
