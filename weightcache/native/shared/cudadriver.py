@@ -3,8 +3,9 @@ ctypes binding of the calls it makes (`_libcuda`).
 
 Why there are two: an engine's first attach in a new process asks the driver for its device's
 UUID and then maps the daemon's arena, and the first of those imported `cuda.bindings.driver`,
-a large Cython module: ~16 ms on the development machine, while the whole first attach of the
-291-tensor shard took 29.6-42.7 ms on an H100 (zero copy, run100), its plan 21-28 ms of that.
+a large Cython module: 10-17 ms with cuda-bindings 13.3.1 on the development machine (torch
+imported first), while the whole first attach of the 291-tensor shard took 29.6-42.7 ms on an
+H100 (zero copy, run100), its plan 21-28 ms of that.
 torch has loaded `libcuda.so.1` by then, so the ctypes binding costs a `dlopen` of a loaded
 library and two dozen `dlsym`s. Both are called the same way (`_libcuda`'s docstring), so
 every caller takes `driver()` and never knows which it has.

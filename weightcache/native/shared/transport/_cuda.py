@@ -47,22 +47,22 @@ def bindings():
         ) from exc
 
 
-def bindings_importable() -> bool:
-    """Whether a driver binding can be had (`driver()`), whichever it is."""
+def _importable(get: Callable[[], Any]) -> bool:
     try:
-        driver()
+        get()
     except TransportUnavailableError:
         return False
     return True
+
+
+def bindings_importable() -> bool:
+    """Whether a driver binding can be had (`driver()`), whichever it is."""
+    return _importable(driver)
 
 
 def full_bindings_importable() -> bool:
     """Whether cuda-python's own bindings can be had (`bindings()`)."""
-    try:
-        bindings()
-    except TransportUnavailableError:
-        return False
-    return True
+    return _importable(bindings)
 
 
 def error_name(err: Any) -> str:
