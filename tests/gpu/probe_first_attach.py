@@ -26,13 +26,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from weightcache.bench.attach import _served_shard
+from weightcache.bench.attach import _served_shard, child_result
 
 CHILD = r"""
 import json, sys, time
@@ -90,12 +88,7 @@ def _child(model: Path, sock: str, what: str, device: str) -> dict[str, Any]:
     env = dict(os.environ)
     if what == "first_ctypes":
         env["WEIGHTCACHE_CUDA_DRIVER"] = "ctypes"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), sock, what, device],
-                          capture_output=True, text=True, timeout=120, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not line:
-        raise RuntimeError(f"{what} child failed: {proc.stderr[-2000:]}")
-    return json.loads(line[-1][len("RESULT "):])
+    return child_result(CHILD, [str(model), sock, what, device], env, what)
 
 
 def main() -> None:

@@ -320,6 +320,21 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def child_result(code: str, args: list[str], env: dict[str, str] | None = None,
+                 what: str = "child") -> dict[str, Any]:
+    """`code` run in a new interpreter with `args`: the JSON its last `RESULT ` line carries
+    (RuntimeError with its stderr where it failed or printed none)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{what} process failed: {proc.stderr[-2000:]}")
+    return json.loads(line[-1][len("RESULT "):])
+
+
 def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: str
                      ) -> dict[str, Any]:
     """Copy mode, zero copy, a bare allocation of the shard's size and `load_file` of its
@@ -328,9 +343,6 @@ def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: s
     as an engine's restart does); and both modes with the ctypes driver binding chosen
     (`copy_ctypes`, `zero_copy_ctypes`: WEIGHTCACHE_CUDA_DRIVER=ctypes, cudadriver.py). On
     CPU no driver binding is called: there those two only run the bench's own code."""
-    import subprocess
-    import sys
-
     from weightcache.native.shared import cudadriver
 
     ways = ("copy", "zero_copy", "alloc", "load_file", "copy_ctypes", "zero_copy_ctypes")
@@ -339,13 +351,9 @@ def _fresh_processes(model: Path, sock: str, nbytes: int, rounds: int, device: s
         for w in ways[r % len(ways):] + ways[:r % len(ways)]:
             env = {**os.environ, cudadriver.DRIVER_ENV: cudadriver.CTYPES
                    if w.endswith("_ctypes") else cudadriver.BINDINGS}
-            proc = subprocess.run([sys.executable, "-c", _FRESH_CHILD, str(model), sock,
-                                   w.removesuffix("_ctypes"), str(nbytes), device],
-                                  capture_output=True, text=True, timeout=120, env=env)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                raise RuntimeError(f"fresh {w} process failed: {proc.stderr[-2000:]}")
-            got[w].append(json.loads(line[-1][len("RESULT "):]))
+            got[w].append(child_result(
+                _FRESH_CHILD, [str(model), sock, w.removesuffix("_ctypes"), str(nbytes), device],
+                env, f"fresh {w}"))
     out: dict[str, Any] = {"rounds": rounds}
     for w, runs in got.items():
         firsts = [x["first_ms"] for x in runs]
