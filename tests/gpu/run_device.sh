@@ -53,6 +53,19 @@ print("cuDriverGetVersion", cu.cuDriverGetVersion())
 EOF
 } 2>&1 | tee "$OUT/environment.txt"
 
+# One of tests/gpu's probes: `probe NAME [SCRATCH]` runs tests/gpu/NAME.py with PROBE_OUT set to
+# $OUT/NAME.json and its output teed to $OUT/NAME.log; with SCRATCH, PROBE_DIR names that folder
+# for the probe's files, removed afterwards.
+probe() {
+  local name=$1 scratch=${2:-}
+  (
+    if [ -n "$scratch" ]; then mkdir -p "$scratch"; export PROBE_DIR=$scratch; fi
+    PROBE_OUT="$OUT/$name.json" timeout "${BENCH_TIMEOUT:-300}" python3 "tests/gpu/$name.py" \
+      2>&1 | tee "$OUT/$name.log"
+  )
+  if [ -n "$scratch" ]; then rm -rf "$scratch"; fi
+}
+
 while [ $# -gt 0 ]; do
   case "$1" in
     tests)
@@ -128,24 +141,19 @@ while [ $# -gt 0 ]; do
       # tests/gpu/probe_staging.py: fresh against reused host memory, the staging read, and
       # registering a read-only mapping of the file itself (PROBE_GB, default 8).
       shift
-      PROBE_DIR=/var/tmp/wc-probe-staging timeout "${BENCH_TIMEOUT:-300}" python3 \
-        tests/gpu/probe_staging.py 2>&1 | tee "$OUT/probe_staging.log"
-      rm -rf /var/tmp/wc-probe-staging
+      probe probe_staging /var/tmp/wc-probe-staging
       ;;
     probe_copy)
       # tests/gpu/probe_copy.py: copy mode's driver calls (import, map, access, unmap) and the
       # copy queued a piece at a time as each piece is mapped (PROBE_GB, default 15).
       shift
-      PROBE_OUT="$OUT/probe_copy.json" timeout "${BENCH_TIMEOUT:-300}" python3 \
-        tests/gpu/probe_copy.py 2>&1 | tee "$OUT/probe_copy.log"
+      probe probe_copy
       ;;
     probe_pin)
       # tests/gpu/probe_pin.py: whether setting up the fill's pinned buffers stalls the O_DIRECT
       # reads beside it, and what would not (PROBE_GB of file, default 12; PROBE_CASES).
       shift
-      PROBE_DIR=/var/tmp/wc-probe-pin PROBE_OUT="$OUT/probe_pin.json" timeout "${BENCH_TIMEOUT:-300}" \
-        python3 tests/gpu/probe_pin.py 2>&1 | tee "$OUT/probe_pin.log"
-      rm -rf /var/tmp/wc-probe-pin
+      probe probe_pin /var/tmp/wc-probe-pin
       ;;
     probe_ready_start)
       # tests/gpu/probe_ready_start.py: READY with the model cold, this tree against the base
@@ -153,40 +161,31 @@ while [ $# -gt 0 ]; do
       # carried), alternated, with the start's marks and the driver's start time.
       shift
       [ -n "${PROBE_BASE:-}" ] && python3 -m compileall -q -j 0 "$PROBE_BASE/weightcache" >/dev/null 2>&1
-      PROBE_DIR=/var/tmp/wc-ready-start PROBE_OUT="$OUT/probe_ready_start.json" \
-        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_ready_start.py 2>&1 | tee "$OUT/probe_ready_start.log"
-      rm -rf /var/tmp/wc-ready-start
+      probe probe_ready_start /var/tmp/wc-ready-start
       ;;
     probe_torchfree)
       # tests/gpu/probe_torchfree.py: a torch-free child's read + digest + copy of the 8B
       # checkpoint with every cache dropped, in turn with `weightcache preload` (PROBE_ROUNDS).
       shift
-      PROBE_DIR=/var/tmp/wc-torchfree PROBE_OUT="$OUT/probe_torchfree.json" \
-        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_torchfree.py 2>&1 | tee "$OUT/probe_torchfree.log"
-      rm -rf /var/tmp/wc-torchfree
+      probe probe_torchfree /var/tmp/wc-torchfree
       ;;
     probe_readsize)
       # tests/gpu/probe_readsize.py: a cold file read with the fill's pattern and the device
       # read's, and others (readers x MiB, either direction), in turn (PROBE_ROUNDS, PROBE_GB).
       shift
-      PROBE_DIR=/var/tmp/wc-readsize PROBE_OUT="$OUT/probe_readsize.json" \
-        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_readsize.py 2>&1 | tee "$OUT/probe_readsize.log"
-      rm -rf /var/tmp/wc-readsize
+      probe probe_readsize /var/tmp/wc-readsize
       ;;
     probe_first_attach)
       # tests/gpu/probe_first_attach.py: a new process's first attach of the 16 GB shard, with
       # and without the driver bindings imported first, the bindings' own costs, a profile.
       shift
-      PROBE_DIR=/var/tmp PROBE_OUT="$OUT/probe_first_attach.json" \
-        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_first_attach.py 2>&1 | tee "$OUT/probe_first_attach.log"
+      probe probe_first_attach /var/tmp/wc-first-attach
       ;;
     probe_import_order)
       # tests/gpu/probe_import_order.py: a cold import set read in the recorded order and in
       # the disk's physical order (FIEMAP), alternated PROBE_ROUNDS times (default 3); no GPU.
       shift
-      PROBE_DIR=/var/tmp/wc-order PROBE_OUT="$OUT/probe_import_order.json" \
-        timeout "${BENCH_TIMEOUT:-300}" python3 tests/gpu/probe_import_order.py 2>&1 | tee "$OUT/probe_import_order.log"
-      rm -rf /var/tmp/wc-order
+      probe probe_import_order /var/tmp/wc-order
       ;;
     probe_prefetch_gil)
       # tests/gpu/probe_prefetch_gil.py: the import set's read alone, beside `import torch`, and
